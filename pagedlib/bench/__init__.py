@@ -1,0 +1,9 @@
+"""Benchmarks: ``python -m pagedlib.bench {alloc,attention,gpu} [--json FILE] ...``.
+
+Speed is measured here, never asserted in tests. Each subcommand prints a table and can write JSON
+with the machine and library versions, so figures can be compared across runs.
+"""
+
+from pagedlib.bench.timing import Timing, environment, print_table, time_fn, write_json
+
+__all__ = ["Timing", "environment", "print_table", "time_fn", "write_json"]

@@ -1,0 +1,128 @@
+"""Timing and reporting helpers shared by every benchmark."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Repeated wall-clock measurements of one callable, in seconds."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median: a quick look at how noisy the run was."""
+        if len(self.samples) < 4:
+            return 0.0
+        q = statistics.quantiles(self.samples, n=4)
+        return (q[2] - q[0]) / self.median
+
+
+def _sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    repeats: int = 20,
+    warmup: int = 3,
+    min_time: float = 0.0,
+    device: torch.device | str | None = None,
+) -> Timing:
+    """Call ``fn`` ``warmup`` times, then time ``repeats`` calls (more if ``min_time`` seconds are
+    not yet spent). CUDA work is synchronised around every call.
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples: list[float] = []
+    start_all = time.perf_counter()
+    while len(samples) < repeats or time.perf_counter() - start_all < min_time:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return Timing(tuple(samples))
+
+
+def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What a benchmark figure depends on: device, library versions, threads."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            device_name=props.name,
+            sm_count=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+        )
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is Linux-only
+        info["triton"] = None
+    return info
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str | None = None) -> str:
+    """Format ``rows`` as an aligned text table (also returned), printing it."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write a benchmark result (rows plus environment) as indented JSON, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def default(o: Any) -> Any:
+        if isinstance(o, Timing):
+            return asdict(o)
+        if isinstance(o, torch.dtype):
+            return str(o).replace("torch.", "")
+        return str(o)
+
+    path.write_text(json.dumps(payload, indent=2, default=default) + "\n")
