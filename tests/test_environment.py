@@ -1,0 +1,80 @@
+"""The three ways to install the course (Makefile, CI, conda) install one and the same pinned set."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = "requirements-lock.txt"
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^;\s]+)\s*(;.*)?", line)
+        assert m, f"{path.name}: not an exact pin: {raw!r}"
+        pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+def test_lock_pins_the_designed_versions():
+    pins = _pins(ROOT / LOCK)
+    assert pins["torch"] == "2.13.0"
+    assert pins["triton"] == "3.7.1"
+    for pkg in ("numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbval", "pytest", "hypothesis", "ruff",
+                "playwright"):
+        assert pkg in pins, f"{pkg} is not pinned in {LOCK}"
+    triton_line = next(line for line in (ROOT / LOCK).read_text().splitlines() if line.startswith("triton=="))
+    assert "sys_platform == \"linux\"" in triton_line, "triton has Linux wheels only"
+
+
+def test_environment_yml_installs_the_lock_file():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    deps = env["dependencies"]
+    python = [d for d in deps if isinstance(d, str) and d.startswith("python")]
+    assert python == ["python=3.11"], "the lock file was frozen under Python 3.11"
+    pip_sections = [d["pip"] for d in deps if isinstance(d, dict) and "pip" in d]
+    assert len(pip_sections) == 1
+    pip = pip_sections[0]
+    assert f"-r {LOCK}" in pip, "conda must install the same pinned set as the Makefile"
+    assert "-e ." in pip
+    # nothing else may sneak in unpinned beside the lock file
+    assert set(pip) == {f"-r {LOCK}", "-e ."}
+    conda_pkgs = {d.split("=")[0] for d in deps if isinstance(d, str)}
+    assert conda_pkgs == {"python", "pip"}, "Python packages come from the lock file, not conda"
+
+
+def test_makefile_and_ci_use_the_lock_file():
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"LOCK   := {LOCK}" in makefile
+    assert "pip install --quiet -r $(LOCK)" in makefile
+    assert "--no-deps" in makefile, "the package itself must not pull unpinned dependencies"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci
+
+
+def test_readme_commands_are_the_ones_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "make test" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^\s*make test\b", ci, re.M)
+
+
+def test_pyproject_ranges_admit_the_pins():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins(ROOT / LOCK)
+    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    for req in reqs:
+        name = req.name.lower()
+        assert name in pins, f"{name} from pyproject.toml is missing from {LOCK}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} outside {req}"

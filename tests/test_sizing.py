@@ -1,0 +1,144 @@
+"""The sizing API reproduces the article's and the vLLM paper's numbers exactly, and rejects bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedlib.sizing import (
+    PRESETS,
+    ModelSpec,
+    block_table_entries,
+    blocks_needed,
+    contiguous_kv_bytes,
+    contiguous_utilization,
+    contiguous_wasted_slots,
+    format_bytes,
+    kv_bytes_per_token,
+    max_sequences,
+    paged_kv_bytes,
+    paged_utilization,
+    paged_wasted_slots,
+    synthetic_seq_lens,
+)
+
+MiB, GiB = 2**20, 2**30
+ARTICLE = ModelSpec("article-gqa", num_layers=32, num_kv_heads=8, head_dim=128, num_q_heads=32)
+
+
+def test_article_per_sequence_reservation_is_512_mib():
+    assert contiguous_kv_bytes(ARTICLE, max_tokens=4096) == 512 * MiB
+    # the formula written out: 2 x layers x tokens x kv_heads x head_dim x bytes
+    assert contiguous_kv_bytes(ARTICLE, 4096) == 2 * 32 * 4096 * 8 * 128 * 2
+
+
+def test_article_256_sequences_reserve_128_gib():
+    assert contiguous_kv_bytes(ARTICLE, max_tokens=4096, num_seqs=256) == 128 * GiB
+
+
+def test_article_block_counts():
+    assert blocks_needed(4096, 16) == 256
+    assert blocks_needed(200, 16) == 13
+
+
+def test_vllm_paper_opt_13b_is_800_kib_per_token():
+    assert kv_bytes_per_token(PRESETS["opt-13b"]) == 800 * 1024
+
+
+def test_presets_from_published_configs():
+    expected = {  # name: (layers, kv_heads, head_dim, q_heads)
+        "llama-2-7b": (32, 32, 128, 32),
+        "llama-3-8b": (32, 8, 128, 32),
+        "mistral-7b": (32, 8, 128, 32),
+        "llama-3-70b": (80, 8, 128, 64),
+        "qwen2.5-7b": (28, 4, 128, 28),
+        "opt-13b": (40, 40, 128, 40),
+    }
+    for name, shape in expected.items():
+        s = PRESETS[name]
+        assert s.name == name
+        assert (s.num_layers, s.num_kv_heads, s.head_dim, s.num_q_heads) == shape
+    # the article's model is Llama-3-8B / Mistral-7B shaped
+    assert kv_bytes_per_token(PRESETS["llama-3-8b"]) == kv_bytes_per_token(ARTICLE) == 128 * 1024
+
+
+def test_model_spec_is_frozen_and_validated():
+    with pytest.raises(AttributeError):
+        ARTICLE.num_layers = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="num_q_heads"):
+        ModelSpec("bad", 2, 3, 64, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelSpec("bad", 2, 2, 0, 4)
+    assert PRESETS["llama-3-70b"].group_size == 8
+
+
+def test_paged_bytes_counts_whole_blocks():
+    per_token = kv_bytes_per_token(ARTICLE)
+    assert paged_kv_bytes(ARTICLE, [200], block_size=16) == 13 * 16 * per_token
+    assert paged_kv_bytes(ARTICLE, [4096, 200, 0], 16) == (256 + 13) * 16 * per_token
+    assert paged_kv_bytes(ARTICLE, [4096], 16) == contiguous_kv_bytes(ARTICLE, 4096)
+
+
+def test_wasted_slots_and_utilization():
+    assert paged_wasted_slots(200, 16) == 8
+    assert paged_wasted_slots(208, 16) == 0
+    assert contiguous_wasted_slots(200, 4096) == 3896
+    assert block_table_entries([200, 4096], 16) == 13 + 256
+    assert contiguous_utilization([1024, 3072], 4096) == 0.5
+    assert paged_utilization([16, 8], 16) == 0.75
+    with pytest.raises(ValueError, match="exceeds max_tokens"):
+        contiguous_utilization([5000], 4096)
+
+
+@given(n=st.integers(0, 100_000), b=st.integers(1, 512))
+def test_paged_waste_is_less_than_one_block(n, b):
+    assert 0 <= paged_wasted_slots(n, b) < b
+    assert blocks_needed(n, b) == math.ceil(n / b)
+
+
+def test_max_sequences_paging_admits_more():
+    lens = [200] * 1000
+    budget = contiguous_kv_bytes(ARTICLE, 4096, num_seqs=4)
+    assert max_sequences(ARTICLE, budget, lens, max_tokens=4096) == 4
+    assert max_sequences(ARTICLE, budget, lens, block_size=16) == (4 * 256) // 13
+    with pytest.raises(ValueError, match="exactly one"):
+        max_sequences(ARTICLE, budget, lens)
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: blocks_needed(-1, 16), "num_tokens"),
+        (lambda: blocks_needed(10, 0), "block_size"),
+        (lambda: blocks_needed(10.0, 16), "num_tokens"),
+        (lambda: blocks_needed(True, 16), "num_tokens"),
+        (lambda: contiguous_kv_bytes(ARTICLE, 0), "max_tokens"),
+        (lambda: contiguous_kv_bytes(ARTICLE, 4096, num_seqs=-2), "num_seqs"),
+        (lambda: kv_bytes_per_token(ARTICLE, dtype_bytes=0), "dtype_bytes"),
+        (lambda: kv_bytes_per_token(ARTICLE, dtype_bytes=1.5), "dtype_bytes"),
+        (lambda: paged_kv_bytes(ARTICLE, [10, -3], 16), r"seq_lens\[1\]"),
+        (lambda: paged_kv_bytes(ARTICLE, [10], "16"), "block_size"),
+        (lambda: synthetic_seq_lens(0), "num_seqs"),
+    ],
+)
+def test_bad_arguments_name_the_argument(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+def test_synthetic_workload_is_seeded_and_bounded():
+    a = synthetic_seq_lens(500, max_tokens=4096, seed=3)
+    assert a == synthetic_seq_lens(500, max_tokens=4096, seed=3)
+    assert a != synthetic_seq_lens(500, max_tokens=4096, seed=4)
+    assert all(1 <= n <= 4096 for n in a)
+    assert 200 < sorted(a)[250] < 400  # the median is near the requested 300
+
+
+def test_format_bytes():
+    assert format_bytes(512 * MiB) == "512 MiB"
+    assert format_bytes(128 * GiB) == "128 GiB"
+    assert format_bytes(800 * 1024) == "800 KiB"
+    assert format_bytes(1536) == "1.5 KiB"
