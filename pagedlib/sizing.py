@@ -224,9 +224,9 @@ def synthetic_seq_lens(
 
 
 def format_bytes(n: int | float) -> str:
-    """Binary units, as memory is sold: ``format_bytes(2**29) == '512 MiB'``."""
+    """Binary units, three significant digits: ``format_bytes(2**29) == '512 MiB'``, ``'1.25 GiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -68,7 +68,6 @@ def test_readme_commands_are_the_ones_ci_runs():
 
 def test_pyproject_ranges_admit_the_pins():
     import tomllib
-
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -101,7 +101,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: s
         return str(v)
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     lines = []
     if title:
         lines.append(title)

@@ -1,0 +1,47 @@
+"""The notebook-01 memory calculator: numbers from pagedlib.sizing, controls that re-compute."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlib.calculator import MemoryCalculator, memory_report
+from pagedlib.sizing import PRESETS, contiguous_kv_bytes, paged_kv_bytes, synthetic_seq_lens
+
+
+def test_default_report_matches_sizing_and_is_deterministic():
+    r = memory_report()
+    lens = synthetic_seq_lens(256, max_tokens=4096, seed=0)
+    spec = PRESETS["llama-3-8b"]
+    assert r.contiguous_bytes == contiguous_kv_bytes(spec, 4096, 256) == 128 * 2**30
+    assert r.paged_bytes == paged_kv_bytes(spec, lens, 16)
+    assert r.paged_bytes < r.contiguous_bytes
+    assert r.used_bytes <= r.paged_bytes
+    assert r.text() == memory_report().text()
+    assert "128 GiB" in r.html()
+
+
+def test_controls_recompute_the_table():
+    calc = MemoryCalculator()
+    before = calc.output.value
+    assert before == memory_report().html()
+    calc.dtype.value = "fp32"
+    assert calc.output.value == memory_report(dtype="fp32").html()
+    assert "256 GiB" in calc.output.value  # fp32 doubles the reservation
+    calc.preset.value = "opt-13b"
+    calc.block_size.value = 64
+    calc.num_seqs.value = 10
+    assert calc.output.value == memory_report("opt-13b", "fp32", 4096, 64, 10).html()
+
+
+def test_bigger_blocks_waste_more():
+    small, big = memory_report(block_size=8), memory_report(block_size=256)
+    assert small.paged_bytes < big.paged_bytes
+    assert small.table_entries > big.table_entries
+    assert small.paged_fit > big.paged_fit
+
+
+@pytest.mark.parametrize("kwargs, name", [({"preset": "gpt-5"}, "preset"), ({"dtype": "int3"}, "dtype"),
+                                          ({"num_seqs": 0}, "num_seqs")])
+def test_bad_settings_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        memory_report(**kwargs)
