@@ -1,0 +1,452 @@
+"""Unit tests of ``PagedKVCache``: write/read roundtrips, lifecycle, and every error path leaving the whole
+state (tables, lengths, free stack, both pools) exactly as it was."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedlib.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
+
+L, BS, H, D = 2, 4, 2, 3
+
+
+def make(num_blocks: int = 12, **kw) -> PagedKVCache:
+    return PagedKVCache(num_blocks, L, BS, H, D, **kw)
+
+
+def kv(n: int | None = None, seed: int = 0, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K, V: ``[L, H, D]`` (one token) or ``[L, n, H, D]``."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (L, H, D) if n is None else (L, n, H, D)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def snapshot(c: PagedKVCache):
+    tables = {s: list(t) for s, t in c.tables.items()}
+    return tables, dict(c.seq_lens), list(c.free), c.k.clone(), c.v.clone()
+
+
+def assert_unchanged(c: PagedKVCache, snap) -> None:
+    tables, lens, free, k, v = snap
+    assert c.tables == tables
+    assert c.seq_lens == lens
+    assert c.free == free
+    torch.testing.assert_close(c.k, k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(c.v, v, rtol=0, atol=0, equal_nan=True)
+    c.check_invariants()
+
+
+# --- construction ---------------------------------------------------------------------------------
+
+
+def test_new_cache_shapes_and_stack():
+    c = make(6)
+    assert c.k.shape == c.v.shape == (6, L, BS, H, D)
+    assert c.free == [5, 4, 3, 2, 1, 0]  # block 0 on top: handed out first
+    assert c.tables == {} and c.seq_lens == {}
+    assert c.num_free_blocks == 6 and c.num_used_blocks == 0
+    assert c.utilization == 1.0
+    c.check_invariants()
+
+
+def test_free_order_prefix_then_ascending():
+    c = make(12, free_order=[5, 2, 9])
+    assert c.free[-3:] == [9, 2, 5]
+    assert c.free[:-3] == [11, 10, 8, 7, 6, 4, 3, 1, 0]
+    assert make(4, free_order=[3, 1, 0, 2]).free == [2, 0, 1, 3]
+
+
+@pytest.mark.parametrize("order", [[12], [-1], [1, 1], [True], ["3"]])
+def test_free_order_rejected(order):
+    with pytest.raises(ValueError, match="free_order"):
+        make(12, free_order=order)
+
+
+@pytest.mark.parametrize("name", ["num_blocks", "num_layers", "block_size", "kv_heads", "head_dim"])
+@pytest.mark.parametrize("bad", [0, -1, 2.0])
+def test_geometry_rejected(name, bad):
+    args = dict(num_blocks=4, num_layers=L, block_size=BS, kv_heads=H, head_dim=D)
+    args[name] = bad
+    with pytest.raises(ValueError, match=name):
+        PagedKVCache(**args)
+
+
+# --- write/read roundtrips (the article's first test category) ------------------------------------
+
+
+def test_roundtrip_inside_one_block():
+    c = make()
+    c.add_sequence(0)
+    k, v = kv(3)
+    for i in range(3):
+        assert c.append_token(0, k[:, i], v[:, i]) == Slot(0, i)
+    assert c.tables[0] == [0]
+    gk, gv = c.gather(0)
+    assert gk.shape == (L, 3, H, D) and gk.is_contiguous()
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
+def test_roundtrip_across_a_block_boundary():
+    c = make()
+    c.add_sequence(0)
+    k, v = kv(BS + 2)
+    slots = [c.append_token(0, k[:, i], v[:, i]) for i in range(BS + 2)]
+    assert [s.offset for s in slots] == [0, 1, 2, 3, 0, 1]
+    assert c.tables[0] == [0, 1] and c.seq_lens[0] == BS + 2
+    assert c.slot(0, BS - 1) == Slot(0, BS - 1) and c.slot(0, BS) == Slot(1, 0)
+    gk, gv = c.gather(0)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
+def test_roundtrip_across_noncontiguous_blocks():
+    c = make(12, free_order=[7, 3, 10, 0])
+    c.add_sequence("a")
+    k, v = kv(3 * BS + 1)
+    assert c.append_tokens("a", k, v) == [7, 3, 10, 0]
+    assert c.tables["a"] == [7, 3, 10, 0]
+    gk, gv = c.gather("a")
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    # each token sits exactly where the table says, in every layer
+    for p in range(3 * BS + 1):
+        b, off = c.slot("a", p)
+        assert torch.equal(c.k[b, :, off], k[:, p]) and torch.equal(c.v[b, :, off], v[:, p])
+        for layer in range(L):
+            lk, lv = c.layer(layer)
+            assert torch.equal(lk[b, off], k[layer, p]) and torch.equal(lv[b, off], v[layer, p])
+
+
+def test_article_decode_trace():
+    """block_size 4, table [5, 2]; token 6 -> (block 2, offset 2); token 7 fills it; token 8 takes 9."""
+    c = make(12, free_order=[5, 2, 9])
+    c.add_sequence(0)
+    k, v = kv(9)
+    assert c.append_tokens(0, k[:, :6], v[:, :6]) == [5, 2]
+    assert c.append_token(0, k[:, 6], v[:, 6]) == Slot(2, 2)
+    assert (6 // BS, 6 % BS) == (1, 2) and c.tables[0] == [5, 2] and c.seq_lens[0] == 7
+    assert c.append_token(0, k[:, 7], v[:, 7]) == Slot(2, 3)
+    assert c.tables[0] == [5, 2]
+    assert c.append_token(0, k[:, 8], v[:, 8]) == Slot(9, 0)
+    assert c.tables[0] == [5, 2, 9] and c.seq_lens[0] == 9
+    c.check_invariants()
+    assert torch.equal(c.gather(0)[0], k)
+
+
+def test_append_tokens_continues_a_partial_block():
+    c = make()
+    c.add_sequence(0)
+    k, v = kv(11)
+    assert c.append_tokens(0, k[:, :3], v[:, :3]) == [0]
+    assert c.append_tokens(0, k[:, 3:4], v[:, 3:4]) == []  # fills block 0 exactly
+    assert c.append_tokens(0, k[:, 4:4], v[:, 4:4]) == []  # n = 0 is a no-op
+    assert c.append_tokens(0, k[:, 4:11], v[:, 4:11]) == [1, 2]
+    assert torch.equal(c.gather(0)[1], v)
+    c.check_invariants()
+
+
+def test_append_batch_matches_per_token_appends():
+    ref, c = make(), make()
+    lens = {"a": 3, "b": 4, "c": 0, "d": 5}
+    for i, (s, n) in enumerate(lens.items()):
+        for cache in (ref, c):
+            cache.add_sequence(s)
+            cache.append_tokens(s, *kv(n, seed=i))
+    order = ["d", "a", "c", "b"]
+    for step in range(6):
+        k, v = kv(len(order), seed=100 + step)
+        slots = c.append_batch(order, k, v)
+        want = [ref.append_token(s, k[:, i], v[:, i]) for i, s in enumerate(order)]
+        assert slots == want
+        assert c.tables == ref.tables and c.seq_lens == ref.seq_lens and c.free == ref.free
+        assert torch.equal(c.k, ref.k) and torch.equal(c.v, ref.v)
+        c.check_invariants()
+
+
+def test_append_batch_accepts_tensor_ids_and_empty_batch():
+    c = make()
+    for s in range(3):
+        c.add_sequence(s)
+    k, v = kv(3)
+    c.append_batch(torch.tensor([2, 0, 1]), k, v)
+    assert torch.equal(c.gather(2)[0][:, 0], k[:, 0])
+    assert c.append_batch([], torch.zeros(L, 0, H, D), torch.zeros(L, 0, H, D)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_roundtrip_other_dtypes(dtype):
+    c = make(dtype=dtype)
+    c.add_sequence(0)
+    c.add_sequence(1)
+    k, v = kv(6, dtype=dtype)
+    c.append_tokens(0, k, v)
+    k1, v1 = kv(2, seed=1, dtype=dtype)
+    c.append_batch([1, 0], k1, v1)
+    gk, gv = c.gather(0)
+    assert gk.dtype == dtype
+    assert torch.equal(gk[:, :6], k) and torch.equal(gv[:, 6], v1[:, 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_roundtrip_cuda():
+    c = make(device="cuda")
+    assert c.device.type == "cuda" and c.device.index is not None
+    c.add_sequence(0)
+    c.add_sequence(1)
+    k, v = (t.cuda() for t in kv(7))
+    c.append_tokens(0, k, v)
+    k1, v1 = (t.cuda() for t in kv(2, seed=1))
+    c.append_batch([1, 0], k1, v1)
+    c.append_token(1, k[:, 0], v[:, 0])
+    gk, gv = c.gather(0)
+    assert torch.equal(gk[:, :7], k) and torch.equal(gv[:, 7], v1[:, 1])
+    assert c.block_table([0, 1]).device == c.device
+    with pytest.raises(ValueError, match="device"):
+        c.append_token(0, k[:, 0].cpu(), v[:, 0].cpu())
+
+
+# --- read side ------------------------------------------------------------------------------------
+
+
+def test_block_table_and_seq_lens_tensor():
+    c = make(12, free_order=[5, 2, 9, 4])
+    for s, n in [("x", 7), ("y", 0), ("z", 2)]:
+        c.add_sequence(s)
+        c.append_tokens(s, *kv(n))
+    bt = c.block_table(["x", "y", "z"])
+    assert bt.dtype == torch.int32 and bt.tolist() == [[5, 2], [-1, -1], [9, -1]]
+    assert c.block_table(["z"], width=3).tolist() == [[9, -1, -1]]
+    assert c.block_table(["y"]).shape == (1, 0)
+    with pytest.raises(ValueError, match="width"):
+        c.block_table(["x"], width=1)
+    lens = c.seq_lens_tensor(["z", "x", "y"])
+    assert lens.dtype == torch.int32 and lens.tolist() == [2, 7, 0]
+
+
+def test_layer_views_share_storage():
+    c = make()
+    lk, lv = c.layer(1)
+    assert lk.shape == lv.shape == (12, BS, H, D)
+    assert lk.data_ptr() == c.k[:, 1].data_ptr() and not lk.is_contiguous()
+    with pytest.raises(IndexError):
+        c.layer(L)
+
+
+def test_gather_empty_sequence():
+    c = make()
+    c.add_sequence(0)
+    gk, gv = c.gather(0)
+    assert gk.shape == gv.shape == (L, 0, H, D)
+
+
+def test_slot_out_of_range():
+    c = make()
+    c.add_sequence(0)
+    c.append_tokens(0, *kv(3))
+    for pos in (3, -1):
+        with pytest.raises(IndexError, match="position"):
+            c.slot(0, pos)
+
+
+def test_utilization_figures():
+    c = make()
+    c.add_sequence(0)
+    c.add_sequence(1)
+    c.append_tokens(0, *kv(5))  # 2 blocks, 8 slots
+    c.append_tokens(1, *kv(4))  # 1 block, 4 slots
+    assert c.num_tokens == 9 and c.num_allocated_slots == 12
+    assert c.utilization == pytest.approx(9 / 12)
+    assert c.sequence_utilization(0) == pytest.approx(5 / 8)
+    assert c.sequence_utilization(1) == 1.0
+    assert c.block_owners() == [0, 0, 1] + [None] * 9
+
+
+def test_fill_unused_poisons_only_empty_slots():
+    c = make(6)
+    c.add_sequence(0)
+    k, v = kv(5)
+    c.append_tokens(0, k, v)
+    c.fill_unused()
+    assert torch.equal(c.gather(0)[0], k) and torch.equal(c.gather(0)[1], v)
+    assert torch.isnan(c.k[1, :, 1:]).all() and torch.isnan(c.v[2:]).all()  # tail of block 1, free blocks
+    assert not torch.isnan(c.k[0]).any() and not torch.isnan(c.k[1, :, 0]).any()
+
+
+def test_repr_is_readable():
+    c = make(12, free_order=[5, 2])
+    c.add_sequence(0)
+    c.append_tokens(0, *kv(7))
+    text = repr(c)
+    assert text.startswith("PagedKVCache(num_blocks=12, num_layers=2, block_size=4")
+    assert "2 used, 10 free" in text and "seq 0: len 7, table [5, 2]" in text
+    assert "utilization 88%" in text
+
+
+# --- lifecycle (the article's third test category) ------------------------------------------------
+
+
+def test_free_returns_every_block():
+    c = make(12)
+    c.add_sequence(0)
+    c.append_tokens(0, *kv(10))
+    blocks = list(c.tables[0])
+    assert c.free_sequence(0) == blocks
+    assert c.free[-3:] == blocks[::-1]  # the sequence's first block is back on top
+    assert sorted(c.free) == list(range(12)) and c.tables == {} and c.seq_lens == {}
+    c.check_invariants()
+    c.add_sequence(0)  # the id can be reused after freeing
+    assert c.append_tokens(0, *kv(1)) == [blocks[0]]
+
+
+def test_exhaustion_raises_and_leaks_nothing():
+    c = make(3)
+    c.add_sequence(0)
+    k, v = kv(3 * BS + 1)
+    c.append_tokens(0, k[:, : 3 * BS], v[:, : 3 * BS])
+    assert c.num_free_blocks == 0
+    snap = snapshot(c)
+    with pytest.raises(OutOfBlocksError) as info:
+        c.append_token(0, k[:, -1], v[:, -1])
+    assert isinstance(info.value, RuntimeError)
+    assert (info.value.needed, info.value.free) == (1, 0)
+    assert "1 needed" in str(info.value) and "0 free" in str(info.value)
+    assert_unchanged(c, snap)
+    c.free_sequence(0)
+    assert c.num_free_blocks == 3
+
+
+def test_interleaved_sequences_leak_nothing():
+    c = make(16, free_order=torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
+    written: dict[int, list[torch.Tensor]] = {}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(60):
+        s = int(torch.randint(0, 4, (1,), generator=gen))
+        if s not in c.seq_lens:
+            c.add_sequence(s)
+            written[s] = []
+        k, v = kv(seed=step)
+        try:
+            c.append_token(s, k, v)
+            written[s].append(k)
+        except OutOfBlocksError:
+            victim = max(c.seq_lens, key=c.seq_lens.get)
+            c.free_sequence(victim)
+            del written[victim]
+        c.check_invariants()
+        used = sum(math.ceil(n / BS) for n in c.seq_lens.values())
+        assert c.num_free_blocks == 16 - used
+        for t, toks in written.items():
+            if toks:
+                assert torch.equal(c.gather(t)[0], torch.stack(toks, dim=1))
+    for s in list(c.seq_lens):
+        c.free_sequence(s)
+    assert sorted(c.free) == list(range(16))
+
+
+# --- error paths: clear exception, nothing changed --------------------------------------------------
+
+
+@pytest.fixture
+def busy() -> PagedKVCache:
+    """Three sequences; "full" ends exactly on a block boundary; one block left free; pools NaN-poisoned
+    where unused so an accidental write shows."""
+    c = make(6, free_order=[4, 0, 5, 1, 3, 2])
+    for s, n in [("a", 5), ("full", 8), ("e", 0)]:
+        c.add_sequence(s)
+        c.append_tokens(s, *kv(n, seed=len(s)))
+    c.fill_unused()
+    assert c.num_free_blocks == 2
+    c.append_tokens("a", *kv(4, seed=9))  # a: 9 tokens, 3 blocks; 1 block free
+    assert c.num_free_blocks == 1
+    return c
+
+
+tok = kv()
+bad_shape = torch.zeros(L, H, D + 1)
+ERRORS = {
+    # name: (call, exception, fragments the message must contain)
+    "token unknown id": (lambda c: c.append_token("nope", *tok), KeyError, ["'nope'"]),
+    "token k shape": (lambda c: c.append_token("a", bad_shape, tok[1]), ValueError,
+                      ["k_vec", f"[{L}, {H}, {D}]", f"[{L}, {H}, {D + 1}]"]),
+    "token v shape": (lambda c: c.append_token("a", tok[0], tok[1][0]), ValueError,
+                      ["v_vec", f"[{L}, {H}, {D}]"]),
+    "token dtype": (lambda c: c.append_token("a", tok[0].double(), tok[1]), ValueError,
+                    ["k_vec", "torch.float32", "torch.float64"]),
+    "token device": (lambda c: c.append_token("a", tok[0], tok[1].to("meta")), ValueError,
+                     ["v_vec", "cpu", "meta"]),
+    "token not a tensor": (lambda c: c.append_token("a", tok[0].tolist(), tok[1]), ValueError,
+                           ["k_vec", "list"]),
+    "tokens unknown id": (lambda c: c.append_tokens(7, *kv(2)), KeyError, ["7"]),
+    "tokens layers": (lambda c: c.append_tokens("a", *torch.zeros(2, L + 1, 2, H, D)),
+                      ValueError, ["k", f"[{L}, n, {H}, {D}]"]),
+    "tokens n mismatch": (lambda c: c.append_tokens("a", kv(2)[0], kv(3)[1]), ValueError, ["v", "n=2"]),
+    "tokens 3-d": (lambda c: c.append_tokens("a", tok[0], tok[1]), ValueError,
+                   ["k", "[num_layers, n, kv_heads"]),
+    "tokens dtype": (lambda c: c.append_tokens("a", kv(2)[0], kv(2)[1].half()), ValueError, ["v", "float16"]),
+    "tokens out of blocks": (lambda c: c.append_tokens("a", *kv(3 + 2 * BS)), OutOfBlocksError,
+                             ["2 needed", "1 free"]),
+    "batch unknown id": (lambda c: c.append_batch(["a", "zz", "e"], *kv(3)), KeyError, ["'zz'"]),
+    "batch duplicate id": (lambda c: c.append_batch(["a", "e", "a"], *kv(3)), ValueError,
+                           ["'a'", "distinct"]),
+    "batch size mismatch": (lambda c: c.append_batch(["a", "e"], *kv(3)), ValueError,
+                            ["k", f"[{L}, 2, {H}, {D}]", f"[{L}, 3, {H}, {D}]"]),
+    "batch dtype": (lambda c: c.append_batch(["a"], kv(1)[0], kv(1)[1].bfloat16()), ValueError,
+                    ["v", "bfloat16"]),
+    "batch out of blocks": (lambda c: c.append_batch(["a", "full", "e"], *kv(3)), OutOfBlocksError,
+                            ["2 needed", "1 free"]),
+    "add existing id": (lambda c: c.add_sequence("a"), ValueError, ["'a'", "already exists"]),
+    "add unhashable id": (lambda c: c.add_sequence(["a"]), TypeError, []),
+    "free unknown id": (lambda c: c.free_sequence("b"), KeyError, ["'b'"]),
+    "gather unknown id": (lambda c: c.gather(3), KeyError, ["3"]),
+    "slot unknown id": (lambda c: c.slot(3, 0), KeyError, ["3"]),
+    "slot out of range": (lambda c: c.slot("a", 9), IndexError, ["9"]),
+    "block_table unknown id": (lambda c: c.block_table(["a", 3]), KeyError, ["3"]),
+    "seq_lens_tensor unknown id": (lambda c: c.seq_lens_tensor([3]), KeyError, ["3"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_error_leaves_state_unchanged(busy, name):
+    call, exc, fragments = ERRORS[name]
+    snap = snapshot(busy)
+    with pytest.raises(exc) as info:
+        call(busy)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    assert_unchanged(busy, snap)
+
+
+def test_unknown_id_error_is_a_keyerror_with_a_readable_message():
+    c = make()
+    c.add_sequence(1)
+    with pytest.raises(UnknownSequenceError) as info:
+        c.gather(2)
+    assert isinstance(info.value, KeyError) and info.value.seq_id == 2
+    assert str(info.value) == "unknown sequence id 2 (live sequences: [1])"
+
+
+# --- check_invariants catches each kind of corruption ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "corrupt, number",
+    [
+        (lambda c: c.tables["b"].append(c.tables["a"][0]), "1:"),  # a block with two owners
+        (lambda c: c.free.append(c.tables["a"][0]), "2:"),  # an allocated block on the free stack
+        (lambda c: c.tables["a"].__setitem__(0, 99), "3:"),  # an invalid id in a table
+        (lambda c: c.free.append(-1), "3:"),  # an invalid id on the stack
+        (lambda c: c.seq_lens.__setitem__("a", 1), "4:"),  # wrong number of blocks for the length
+        (lambda c: c.free.pop(), "1:"),  # a leaked block (neither free nor held)
+        (lambda c: c.free.append(c.free[0]), "1:"),  # a block twice on the stack
+    ],
+)
+def test_check_invariants_detects_corruption(corrupt, number):
+    c = make(8)
+    for s, n in [("a", 6), ("b", 3)]:
+        c.add_sequence(s)
+        c.append_tokens(s, *kv(n))
+    c.check_invariants()
+    corrupt(c)
+    with pytest.raises(InvariantError, match=number):
+        c.check_invariants()
