@@ -17,6 +17,7 @@ reference counting for shared blocks can be added there later).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -29,6 +30,13 @@ __all__ = [
     "Slot",
     "UnknownSequenceError",
 ]
+
+
+def _index_tensor(values: list[int]) -> torch.Tensor:
+    """int64 CPU tensor of a list of ints; via ``array`` it is ~5x cheaper than ``torch.tensor(list)``."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -115,6 +123,8 @@ class PagedKVCache:
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
         self.v = torch.full(shape, fill, dtype=dtype, device=device)
         self.device = self.k.device  # normalised ("cuda" -> "cuda:0")
+        # [L, 1]: row offset of layer l inside a block, in the flattened pool (see _write)
+        self._layer_rows = (torch.arange(num_layers) * block_size)[:, None].to(self.device)
         self.free: list[int] = self._initial_free_stack(free_order)
         self.tables: dict[Hashable, list[int]] = {}
         self.seq_lens: dict[Hashable, int] = {}
@@ -225,10 +235,11 @@ class PagedKVCache:
         needed = -(-(start + n) // self.block_size) - len(table)
         new = self._take_blocks(needed, f"{n} tokens of sequence {seq_id!r}")
         try:
-            pos = torch.arange(start, start + n)                                   # [n]
-            blocks = torch.tensor(table[start // self.block_size:] + new)          # blocks touched
-            phys = blocks[pos // self.block_size - start // self.block_size]       # [n]
-            self._write(phys, pos % self.block_size, k, v)
+            bs = self.block_size
+            pos = torch.arange(start, start + n)                                   # [n] positions
+            touched = _index_tensor(table[start // bs:] + new)                     # blocks written
+            phys = touched[pos // bs - start // bs]                                # [n] block per token
+            self._write(phys * bs + pos % bs, k, v)                                # [n] flat slot ids
         except BaseException:
             self._release_blocks(new)
             raise
@@ -272,7 +283,8 @@ class PagedKVCache:
         tables = self.tables
         blocks = [next(fresh) if off == 0 else tables[s][-1] for s, off in zip(seq_ids, offsets, strict=True)]
         try:
-            self._write(torch.tensor(blocks), torch.tensor(offsets), k, v)
+            slots = [b * bs + off for b, off in zip(blocks, offsets, strict=True)]  # vLLM's slot_mapping
+            self._write(_index_tensor(slots), k, v)
         except BaseException:
             self._release_blocks(new)
             raise
@@ -282,22 +294,22 @@ class PagedKVCache:
             lens[s] += 1
         return [Slot(b, off) for b, off in zip(blocks, offsets, strict=True)]
 
-    def _write(self, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write tokens ``i`` of ``k``, ``v`` ``[num_layers, n, kv_heads, head_dim]`` at ``(blocks[i],
-        offsets[i])`` for every layer, one ``index_copy_`` per pool.
+    def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``) into flat slot
+        ``slots[i]`` (int64 ``[n]`` on the CPU) of every layer: one ``index_copy_`` per pool.
 
-        ``slot = block * block_size + offset`` is the flat slot id. Because the layer dimension sits
-        between block and offset, the row of (layer ``l``, slot) in the pool seen as
-        ``[num_blocks * num_layers * block_size, kv_heads, head_dim]`` is
+        ``slot = block * block_size + offset`` is vLLM's ``slot_mapping``. vLLM keeps one cache tensor per
+        layer, ``[num_blocks * block_size, ...]`` once flattened, so a slot id is a row index there. Here the
+        layer dim sits between block and offset, so in the pool flattened to
+        ``[num_blocks * num_layers * block_size, kv_heads, head_dim]`` the row of (layer ``l``, slot) is
         ``(block * num_layers + l) * block_size + offset``.
         """
         L, bs = self.num_layers, self.block_size
-        slots = blocks * bs + offsets                                              # [n] slot_mapping
-        layer = torch.arange(L)[:, None]                                           # [L, 1]
-        rows = ((slots // bs)[None, :] * L + layer) * bs + (slots % bs)[None, :]   # [L, n]
-        rows = rows.reshape(-1).to(self.device, non_blocking=True)                 # [L * n]
+        blocks, offsets = slots // bs, slots % bs
+        rows = (blocks * (L * bs) + offsets).to(self.device, non_blocking=True)  # [n] rows of layer 0
+        rows = (rows[None, :] + self._layer_rows).reshape(-1)                      # [L * n], layer-major
         flat = (-1, self.kv_heads, self.head_dim)
-        self.k.view(flat).index_copy_(0, rows, k.reshape(flat))  # k: [L, n, H, D] -> [L*n, H, D]
+        self.k.view(flat).index_copy_(0, rows, k.reshape(flat))  # k: [L, n, H, D] -> [L * n, H, D]
         self.v.view(flat).index_copy_(0, rows, v.reshape(flat))
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:

@@ -1,0 +1,205 @@
+"""``python -m pagedlib.bench alloc``: how fast tokens get *into* the paged cache.
+
+Decode (one new token for each of ``batch`` sequences):
+  - ``append_token``  one call per sequence (Python bookkeeping + one small write each);
+  - ``append_batch``  one call: bookkeeping for all, then one indexed write per pool via flat slot ids;
+  - ``contiguous``    a pre-allocated ``[L, batch, max_len, H, D]`` cache written at one position
+                      (what a non-paged cache does; no bookkeeping at all);
+  - ``copy_``         a plain ``copy_`` of the same bytes between two contiguous buffers: the physical
+                      limit for writing this much data.
+Prefill (one prompt of ``--prompt`` tokens): ``append_token`` in a loop, ``append_tokens`` once,
+``contiguous`` (a slice write) and ``copy_``.
+
+Bytes written per step: ``2 (K and V) * layers * tokens * kv_heads * head_dim * dtype_bytes``. Each
+method's bandwidth is those bytes over its best time (the best of ``--repeats`` calls: on a shared machine
+the median picks up other processes' time slices), and ``% of copy_`` is ``time(copy_) / time(method)``.
+The decode pool is sized for the whole run and handed out in a shuffled order, so a batch's blocks are
+scattered over the pool as they are in a long-running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from typing import Any
+
+import torch
+
+from pagedlib.bench.timing import environment, print_table, time_fn, write_json
+from pagedlib.cache import PagedKVCache
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+COLUMNS = ["phase", "method", "tokens", "us_per_call", "tokens_per_s", "GB_per_s", "pct_of_copy",
+           "speedup_vs_append_token"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--batches", default="1,4,16,64,256", help="decode batch sizes, comma-separated")
+    p.add_argument("--prompt", type=int, default=512, help="prefill length in tokens (0 to skip)")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
+
+
+def _rows(phase: str, tokens: int, nbytes: int, times: dict[str, float], slow: str) -> list[dict[str, Any]]:
+    rows = []
+    for method, t in times.items():
+        rows.append({
+            "phase": phase, "method": method, "tokens": tokens, "us_per_call": t * 1e6,
+            "tokens_per_s": tokens / t, "GB_per_s": nbytes / t / 1e9,
+            "pct_of_copy": 100 * times["copy_"] / t,
+            "speedup_vs_append_token": times[slow] / t,
+        })
+    return rows
+
+
+def bench_decode(batch: int, *, layers: int, kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, device: str, repeats: int, warmup: int = 3,
+                 seed: int = 0) -> list[dict[str, Any]]:
+    """Time one decode step for ``batch`` sequences, each method on its own cache."""
+    steps = warmup + repeats
+    rng = random.Random(seed)
+    start_lens = [rng.randint(1, 2 * block_size) for _ in range(batch)]  # offsets differ per sequence
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(layers, batch, kv_heads, head_dim, generator=g).to(device, dtype)  # [L, batch, H, D]
+    v = torch.randn(layers, batch, kv_heads, head_dim, generator=g).to(device, dtype)
+    ids = list(range(batch))
+
+    def fresh_cache() -> PagedKVCache:
+        num_blocks = sum(math.ceil((n + steps) / block_size) for n in start_lens)
+        order = list(range(num_blocks))
+        rng.shuffle(order)
+        cache = PagedKVCache(num_blocks, layers, block_size, kv_heads, head_dim, dtype=dtype, device=device,
+                             free_order=order)
+        for s, n in zip(ids, start_lens, strict=True):
+            cache.add_sequence(s)
+            cache.append_tokens(s, k[:, s : s + 1].expand(-1, n, -1, -1).contiguous(),
+                                v[:, s : s + 1].expand(-1, n, -1, -1).contiguous())
+        return cache
+
+    k_rows = [k[:, i] for i in ids]  # [L, H, D] views, sliced outside the timed region
+    v_rows = [v[:, i] for i in ids]
+
+    def per_token(cache: PagedKVCache) -> None:
+        for i in ids:
+            cache.append_token(i, k_rows[i], v_rows[i])
+
+    def batched(cache: PagedKVCache) -> None:
+        cache.append_batch(ids, k, v)
+
+    times: dict[str, float] = {}
+    for name, step in [("append_token", per_token), ("append_batch", batched)]:
+        cache = fresh_cache()  # the previous pool is released here
+        timing = time_fn(lambda c=cache, f=step: f(c), repeats=repeats, warmup=warmup, device=device)
+        times[name] = timing.best
+        cache.check_invariants()
+    cache = None
+
+    max_len = max(start_lens) + steps
+    kc = torch.zeros(layers, batch, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    positions = iter(range(max(start_lens), max_len))
+
+    def contiguous() -> None:
+        t = next(positions)
+        kc[:, :, t] = k  # [L, batch, H, D] into [L, batch, max_len, H, D] at position t
+        vc[:, :, t] = v
+
+    times["contiguous"] = time_fn(contiguous, repeats=repeats, warmup=warmup, device=device).best
+    src = torch.stack([k, v])
+    dst = torch.empty_like(src)
+    times["copy_"] = time_fn(lambda: dst.copy_(src), repeats=repeats, warmup=warmup, device=device).best
+    nbytes = src.numel() * src.element_size()
+    return _rows("decode", batch, nbytes, times, "append_token")
+
+
+def bench_prefill(n: int, *, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                  device: str, repeats: int, warmup: int = 2, seed: int = 0) -> list[dict[str, Any]]:
+    """Time writing one ``n``-token prompt (each timed call adds a sequence, fills it, frees it)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(layers, n, kv_heads, head_dim, generator=g).to(device, dtype)  # [L, n, H, D]
+    v = torch.randn(layers, n, kv_heads, head_dim, generator=g).to(device, dtype)
+    num_blocks = math.ceil(n / block_size)
+    cache = PagedKVCache(num_blocks, layers, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    k_rows = [k[:, i] for i in range(n)]
+    v_rows = [v[:, i] for i in range(n)]
+
+    def per_token() -> None:
+        cache.add_sequence(0)
+        for i in range(n):
+            cache.append_token(0, k_rows[i], v_rows[i])
+        cache.free_sequence(0)
+
+    def prompt() -> None:
+        cache.add_sequence(0)
+        cache.append_tokens(0, k, v)
+        cache.free_sequence(0)
+
+    times = {
+        "append_token": time_fn(per_token, repeats=max(3, repeats // 4), warmup=1, device=device).best,
+        "append_tokens": time_fn(prompt, repeats=repeats, warmup=warmup, device=device).best,
+    }
+    kc = torch.zeros(layers, 1, n, kv_heads, head_dim, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+
+    def contiguous() -> None:
+        kc[:, 0] = k
+        vc[:, 0] = v
+
+    times["contiguous"] = time_fn(contiguous, repeats=repeats, warmup=warmup, device=device).best
+    src = torch.stack([k, v])
+    dst = torch.empty_like(src)
+    times["copy_"] = time_fn(lambda: dst.copy_(src), repeats=repeats, warmup=warmup, device=device).best
+    return _rows("prefill", n, src.numel() * src.element_size(), times, "append_token")
+
+
+def run(*, layers: int = 4, kv_heads: int = 8, head_dim: int = 64, block_size: int = 16,
+        dtype: torch.dtype = torch.float32, device: str | None = None,
+        batches: tuple[int, ...] = (1, 4, 16, 64, 256), prompt: int = 512,
+        repeats: int = 20) -> dict[str, Any]:
+    """Run the whole benchmark; returns ``{"config", "environment", "rows", "summary"}``."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    geometry = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                    device=device, repeats=repeats)
+    rows: list[dict[str, Any]] = []
+    for b in batches:
+        rows += bench_decode(b, **geometry)
+    if prompt:
+        rows += bench_prefill(prompt, **geometry)
+    config = dict(geometry, batches=list(batches), prompt=prompt)
+    return {"config": config, "environment": environment(device), "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """One sentence on the largest decode batch: speedup over per-token appends, fraction of ``copy_``."""
+    decode = [r for r in rows if r["phase"] == "decode"]
+    if not decode:
+        return ""
+    b = max(r["tokens"] for r in decode)
+    by = {r["method"]: r for r in decode if r["tokens"] == b}
+    ab = by["append_batch"]
+    return (f"decode, batch {b}: append_batch is {ab['speedup_vs_append_token']:.1f}x faster than {b} "
+            f"append_token calls; it writes {ab['GB_per_s']:.2f} GB/s = {ab['pct_of_copy']:.0f}% of a plain "
+            f"copy_ of the same bytes ({by['copy_']['GB_per_s']:.2f} GB/s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    batches = tuple(int(b) for b in args.batches.split(",") if b)
+    result = run(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                 block_size=args.block_size, dtype=DTYPES[args.dtype], device=args.device, batches=batches,
+                 prompt=args.prompt, repeats=args.repeats)
+    c = result["config"]
+    title = (f"KV-cache writes: layers={c['layers']} kv_heads={c['kv_heads']} head_dim={c['head_dim']} "
+             f"block_size={c['block_size']} {args.dtype} on {c['device']} (best of {c['repeats']} calls)")
+    print_table(result["rows"], COLUMNS, title=title)
+    print(result["summary"])
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
