@@ -100,6 +100,84 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 # --- notebook 02: block allocator -----------------------------------------------------------------
 
 
+def owner_color(seq_id: object, order: list[object] | None = None) -> str:
+    """Colour of a sequence: ``OWNER_COLORS[seq_id % 8]`` for an int id (as the tracer widget does),
+    else by the id's rank in ``order``."""
+    if isinstance(seq_id, int) and not isinstance(seq_id, bool):
+        return OWNER_COLORS[seq_id % len(OWNER_COLORS)]
+    rank = order.index(seq_id) if order and seq_id in order else 0
+    return OWNER_COLORS[rank % len(OWNER_COLORS)]
+
+
+def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
+    """The physical pool of a ``PagedKVCache``: one cell per block (its id on top), split into
+    ``block_size`` slots; a slot holding a token is coloured by its sequence, the unwritten tail of a
+    sequence's last block is hatched in that colour, free blocks are grey with their depth on the free
+    stack (1 = popped next)."""
+    from matplotlib.patches import Patch, Rectangle
+
+    nb, bs = cache.num_blocks, cache.block_size
+    cols = cols or min(nb, 16)
+    rows = -(-nb // cols)
+    fig, ax = _new_figure(min(0.62 * cols + 2.6, 13.0), 0.62 * rows + 1.0)
+    owners = cache.block_owners()
+    order = list(cache.tables)
+    fill = {b: min(bs, cache.seq_lens[s] - i * bs) for s, t in cache.tables.items() for i, b in enumerate(t)}
+    depth = {b: i + 1 for i, b in enumerate(reversed(cache.free))}
+    slot_w = 0.9 / bs
+    for b in range(nb):
+        x, y = b % cols, -(b // cols)
+        owner = owners[b]
+        if owner is None:
+            ax.add_patch(Rectangle((x, y), 0.9, 0.7, color=FREE_COLOR, ec="#BBBBBB", lw=0.6))
+            ax.text(x + 0.45, y + 0.35, str(depth[b]), ha="center", va="center", fontsize=7, color="#888888")
+        else:
+            color = owner_color(owner, order)
+            for off in range(bs):
+                used = off < fill[b]
+                style = {"facecolor": color, "edgecolor": "white"} if used else \
+                    {"facecolor": "white", "edgecolor": color, "hatch": "////"}
+                ax.add_patch(Rectangle((x + off * slot_w, y), slot_w, 0.7, lw=0.6, **style))
+        ax.text(x + 0.45, y + 0.78, str(b), ha="center", va="bottom", fontsize=7)
+    handles = [Patch(color=owner_color(s, order), label=f"seq {s}: {cache.seq_lens[s]} tokens, "
+                     f"{len(cache.tables[s])} blocks") for s in order]
+    handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#BBBBBB",
+                         label=f"free: {len(cache.free)} (number = depth on the stack)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    ax.set_xlim(-0.1, cols)
+    ax.set_ylim(-rows + 0.9, 1.15)
+    ax.set_axis_off()
+    used = cache.num_used_blocks
+    ax.set_title(title or f"Physical pool: {used}/{nb} blocks used, {cache.num_tokens} tokens in "
+                 f"{cache.num_allocated_slots} allocated slots ({cache.utilization:.0%})", fontsize=9)
+    return fig
+
+
+ALLOC_COLORS = {"append_token": OWNER_COLORS[3], "append_batch": OWNER_COLORS[0],
+                "append_tokens": OWNER_COLORS[0], "contiguous": "#333333", "copy_": OWNER_COLORS[2]}
+
+
+def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
+    """Decode write throughput (tokens/s, log-log) against batch size for each method in
+    ``pagedlib.bench.alloc`` rows."""
+    fig, ax = _new_figure(6.5, 3.4)
+    decode = [r for r in rows if r["phase"] == "decode"]
+    for method in dict.fromkeys(r["method"] for r in decode):
+        pts = sorted((r["tokens"], r["tokens_per_s"]) for r in decode if r["method"] == method)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method,
+                color=ALLOC_COLORS.get(method), ls=":" if method == "copy_" else "-")
+    batches = sorted({r["tokens"] for r in decode})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("decode batch (sequences, one new token each; log scale)")
+    ax.set_ylabel("tokens written per second (log scale)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title or "Writing one decode step into the KV cache", fontsize=9)
+    return fig
+
+
 # --- notebook 04: reference attention -------------------------------------------------------------
 
 

@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,4,16,64,256", help="decode batch sizes, comma-separated")
     p.add_argument("--prompt", type=int, default=512, help="prefill length in tokens (0 to skip)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads during the run (default: torch's own choice); 1 gives steadier "
+                        "numbers on a busy machine")
     p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
 
 
@@ -162,18 +165,28 @@ def bench_prefill(n: int, *, layers: int, kv_heads: int, head_dim: int, block_si
 def run(*, layers: int = 4, kv_heads: int = 8, head_dim: int = 64, block_size: int = 16,
         dtype: torch.dtype = torch.float32, device: str | None = None,
         batches: tuple[int, ...] = (1, 4, 16, 64, 256), prompt: int = 512,
-        repeats: int = 20) -> dict[str, Any]:
-    """Run the whole benchmark; returns ``{"config", "environment", "rows", "summary"}``."""
+        repeats: int = 20, threads: int | None = None) -> dict[str, Any]:
+    """Run the whole benchmark; returns ``{"config", "environment", "rows", "summary"}``.
+
+    ``threads`` sets ``torch.set_num_threads`` for the run (restored afterwards): on a CPU shared with other
+    work, a multi-threaded ``copy_`` can wait milliseconds for a descheduled worker thread."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     geometry = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
                     device=device, repeats=repeats)
-    rows: list[dict[str, Any]] = []
-    for b in batches:
-        rows += bench_decode(b, **geometry)
-    if prompt:
-        rows += bench_prefill(prompt, **geometry)
-    config = dict(geometry, batches=list(batches), prompt=prompt)
-    return {"config": config, "environment": environment(device), "rows": rows, "summary": summarize(rows)}
+    saved_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        env = environment(device)
+        rows: list[dict[str, Any]] = []
+        for b in batches:
+            rows += bench_decode(b, **geometry)
+        if prompt:
+            rows += bench_prefill(prompt, **geometry)
+    finally:
+        torch.set_num_threads(saved_threads)
+    config = dict(geometry, batches=list(batches), prompt=prompt, threads=env["torch_threads"])
+    return {"config": config, "environment": env, "rows": rows, "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> str:
@@ -193,10 +206,11 @@ def main(args: argparse.Namespace) -> int:
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     result = run(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  block_size=args.block_size, dtype=DTYPES[args.dtype], device=args.device, batches=batches,
-                 prompt=args.prompt, repeats=args.repeats)
+                 prompt=args.prompt, repeats=args.repeats, threads=args.threads)
     c = result["config"]
     title = (f"KV-cache writes: layers={c['layers']} kv_heads={c['kv_heads']} head_dim={c['head_dim']} "
-             f"block_size={c['block_size']} {args.dtype} on {c['device']} (best of {c['repeats']} calls)")
+             f"block_size={c['block_size']} {args.dtype} on {c['device']}, {c['threads']} CPU threads "
+             f"(best of {c['repeats']} calls)")
     print_table(result["rows"], COLUMNS, title=title)
     print(result["summary"])
     if args.json:
