@@ -180,5 +180,93 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
 
 # --- notebook 04: reference attention -------------------------------------------------------------
 
+IMPL_COLORS = {"reference": OWNER_COLORS[3], "paged": OWNER_COLORS[0], "paged-whole-batch": OWNER_COLORS[4],
+               "contiguous": "#333333", "triton": OWNER_COLORS[2]}
+
+
+def plot_gather_mask(tables: list[list[int]], seq_lens: list[int], block_size: int) -> Figure:
+    """What the vectorized gather copies: one row per sequence, ``n_blocks * block_size`` slots wide,
+    coloured by sequence where a slot holds a token, grey and crossed where it is masked (tail of the
+    last block, or a padded table entry standing in for block 0)."""
+    import numpy as np
+
+    width = max(len(t) for t in tables) * block_size
+    fig, ax = _new_figure(0.32 * width + 1.8, 0.6 * len(tables) + 1.0)
+    pitch = 1.5  # vertical distance between rows, room for the block labels
+    for s, (table, n) in enumerate(zip(tables, seq_lens, strict=True)):
+        y = -s * pitch
+        for p in range(width):
+            valid = p < n
+            color = OWNER_COLORS[s % len(OWNER_COLORS)] if valid else FREE_COLOR
+            ax.add_patch(plt.Rectangle((p, y - 0.4), 0.95, 0.8, color=color, ec="white"))
+            if not valid:
+                ax.plot([p + 0.2, p + 0.75], [y - 0.25, y + 0.25], color="#999999", lw=0.8)
+                ax.plot([p + 0.2, p + 0.75], [y + 0.25, y - 0.25], color="#999999", lw=0.8)
+        for j in range(width // block_size):
+            label = f"block {table[j]}" if j < len(table) and j * block_size < n else "padding -> 0"
+            ax.text(j * block_size + block_size / 2, y + 0.5, label, ha="center", va="bottom", fontsize=7)
+    for j in range(1, width // block_size):
+        ax.axvline(j * block_size - 0.025, color="black", lw=0.8)
+    ax.set_xlim(-0.2, width + 0.2)
+    ax.set_ylim(-(len(tables) - 1) * pitch - 0.6, 1.0)
+    ax.set_yticks(-pitch * np.arange(len(tables)), [f"seq {s} (len {n})" for s, n in enumerate(seq_lens)])
+    ax.set_xlabel("position in the gathered K/V (tokens)")
+    ax.set_title("Gathered blocks: coloured = token, grey x = masked (zeroed, score -inf)", fontsize=9)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    return fig
+
+
+def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "") -> Figure:
+    """Decode time (ms) and achieved bandwidth (GB/s) against ``x`` (``"block_size"`` or ``"context"``)
+    for each implementation in benchmark ``rows`` (``pagedlib.bench.attention``), log-2 x axis."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 3.4), layout="constrained")
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    for impl in impls:
+        pts = sorted((r[x], r["ms"], r["GB/s"]) for r in rows if r["impl"] == impl)
+        xs = [p[0] for p in pts]
+        style = {"color": IMPL_COLORS.get(impl, None), "marker": "o", "label": impl}
+        left.plot(xs, [p[1] for p in pts], **style)
+        right.plot(xs, [p[2] for p in pts], **style)
+    xlabel = {"block_size": "block size (tokens per block, log scale)",
+              "context": "context length (tokens per sequence, log scale)"}.get(x, x)
+    for ax, ylabel in ((left, "time per decode step (ms)"), (right, "achieved bandwidth (GB/s)")):
+        ticks = sorted({r[x] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    if x == "context":
+        left.set_yscale("log")
+        left.set_ylabel("time per decode step (ms, log scale)")
+    left.legend(frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
 
 # --- notebook 05: Triton kernel -------------------------------------------------------------------
+
+
+def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[int], sm_count: int) -> Figure:
+    """Programs the decode kernel launches per shape, without and with split-K, against the SM count.
+
+    ``labels[i]`` names shape i (e.g. ``"b1\\n32k"``); ``no_split[i]`` is batch x KV heads and ``split[i]``
+    that times the heuristic's number of splits."""
+    fig, ax = _new_figure(8.0, 3.6)
+    x = range(len(labels))
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], no_split, width, label="no split: batch x KV heads",
+           color=OWNER_COLORS[0])
+    ax.bar([i + width / 2 for i in x], split, width, label="split-K: x num_splits", color=OWNER_COLORS[1])
+    ax.axhline(sm_count, color="black", linewidth=1, linestyle="--")
+    ax.text(-0.4, sm_count * 1.1, f"{sm_count} SMs", ha="left", va="bottom", fontsize=8)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_xlabel("batch / context (tokens)")
+    ax.set_ylabel("programs launched (count)")
+    ax.set_title("Does the grid fill the GPU? (8 KV heads)")
+    ax.legend(fontsize=8, loc="upper left")
+    return fig
