@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 LOCK   := requirements-lock.txt
-NOTEBOOKS := $(sorted $(wildcard notebooks/[0-9]*.ipynb))
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 NB ?= $(NOTEBOOKS)
 PORT ?= 8888
 
@@ -44,6 +44,7 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 notebooks: $(STAMP)
+	@test -n "$(NOTEBOOKS)" || { echo "no notebooks found under notebooks/"; exit 1; }
 	$(BIN)/python -m pytest $(NBVAL) $(NOTEBOOKS)
 
 test: lint unit notebooks
