@@ -27,6 +27,7 @@ entries) may contain anything, NaN and inf included. No function here lets them 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,7 +200,7 @@ def reference_paged_attention(cache: Any, seq_id: Any, q: torch.Tensor) -> torch
 # vectorized paged attention
 
 
-_workspaces: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_workspaces = threading.local()  # per thread: {(slot, dtype): buffer}
 _WORKSPACE_MAX_BYTES = 64 * 2**20
 
 
@@ -207,13 +208,14 @@ def _workspace(slot: int, numel: int, like: torch.Tensor) -> torch.Tensor | None
     """A reusable CPU buffer of ``numel`` elements (``slot`` 0 for K, 1 for V), or ``None`` (allocate).
 
     On a CPU, a fresh multi-MiB tensor on every call costs page faults that take longer than the copy
-    itself; reusing one buffer avoids them. (GPU allocators cache memory already.) The buffers are
-    module-wide: ``paged_attention`` must not run in two threads at once on a CPU."""
+    itself; reusing one buffer avoids them. (GPU allocators cache memory already.) Each thread has its
+    own buffers, so concurrent calls from different threads never share one."""
     if like.device.type != "cpu" or numel * like.element_size() > _WORKSPACE_MAX_BYTES:
         return None
-    buf = _workspaces.get((slot, like.dtype))
+    buffers: dict[tuple[int, torch.dtype], torch.Tensor] = _workspaces.__dict__.setdefault("buffers", {})
+    buf = buffers.get((slot, like.dtype))
     if buf is None or buf.numel() < numel:
-        buf = _workspaces[(slot, like.dtype)] = torch.empty(numel, dtype=like.dtype)
+        buf = buffers[(slot, like.dtype)] = torch.empty(numel, dtype=like.dtype)
     return buf[:numel]
 
 
