@@ -43,9 +43,17 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+# Triton has Linux wheels only: elsewhere notebook 05 (the kernel) is left out, and says so.
+ifeq ($(shell uname -s),Linux)
+NBVAL_NOTEBOOKS := $(NOTEBOOKS)
+else
+NBVAL_NOTEBOOKS := $(filter-out %05_triton_kernel.ipynb,$(NOTEBOOKS))
+endif
+
 notebooks: $(STAMP)
 	@test -n "$(NOTEBOOKS)" || { echo "no notebooks found under notebooks/"; exit 1; }
-	$(BIN)/python -m pytest $(NBVAL) $(NOTEBOOKS)
+	@test "$(NOTEBOOKS)" = "$(NBVAL_NOTEBOOKS)" || echo "not Linux, no Triton: skipping notebook 05"
+	$(BIN)/python -m pytest $(NBVAL) $(NBVAL_NOTEBOOKS)
 
 test: lint unit notebooks
 
