@@ -43,6 +43,8 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+# nbval re-runs the notebooks on the CPU path, the one `make execute` stores outputs from, so a GPU
+# machine compares like with like (GPU code is checked by the tests and `python -m pagedlib.bench gpu`).
 # Triton has Linux wheels only: elsewhere notebook 05 (the kernel) is left out, and says so.
 ifeq ($(shell uname -s),Linux)
 NBVAL_NOTEBOOKS := $(NOTEBOOKS)
@@ -53,7 +55,7 @@ endif
 notebooks: $(STAMP)
 	@test -n "$(NOTEBOOKS)" || { echo "no notebooks found under notebooks/"; exit 1; }
 	@test "$(NOTEBOOKS)" = "$(NBVAL_NOTEBOOKS)" || echo "not Linux, no Triton: skipping notebook 05"
-	$(BIN)/python -m pytest $(NBVAL) $(NBVAL_NOTEBOOKS)
+	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(BIN)/python -m pytest $(NBVAL) $(NBVAL_NOTEBOOKS)
 
 test: lint unit notebooks
 
