@@ -27,7 +27,7 @@ import ipywidgets as widgets
 import torch
 
 from pagedlib.cache import OutOfBlocksError, PagedKVCache
-from pagedlib.plots import FREE_COLOR, OWNER_COLORS
+from pagedlib.plots import FREE_COLOR, owner_color
 
 __all__ = ["BlockTableTracer", "TracerError", "render_html", "SCENARIO"]
 
@@ -62,10 +62,6 @@ SCENARIO: tuple[tuple[str, int | None, int, str], ...] = (
 class _Lookup:
     seq_id: int
     pos: int
-
-
-def _owner_color(seq_id: int) -> str:
-    return OWNER_COLORS[seq_id % len(OWNER_COLORS)]
 
 
 def _esc(text: object) -> str:
@@ -148,7 +144,7 @@ def render_html(
             color = FREE_COLOR
             look += f";border:2px solid #C9C9C9;background:{FREE_COLOR}"
         else:
-            color = _owner_color(owner)
+            color = owner_color(owner)
             look += f";border:2px solid {color};background:#fff"
         if hit is not None and hit.block == b:
             cls, look = cls + " is-lookup", look + ";box-shadow:0 0 0 3px #111"
@@ -187,7 +183,7 @@ def render_html(
     if not cache.tables:
         parts.append(f"<div style='{_NOTE}'>no sequences yet: press <i>Add sequence</i></div>")
     for s, table in cache.tables.items():
-        n, color = cache.seq_lens[s], _owner_color(s)
+        n, color = cache.seq_lens[s], owner_color(s)
         cls, look = "pt-table", _TABLE
         if s == selected:
             cls, look = "pt-table is-selected", f"{_TABLE};background:#F4F6FA"
@@ -211,7 +207,7 @@ def render_html(
             f"&rarr; slot {_code(f'(block {hit.block}, offset {hit.offset})')}</div>")
 
     if selected is not None and selected in cache.tables:
-        n, color = cache.seq_lens[selected], _owner_color(selected)
+        n, color = cache.seq_lens[selected], owner_color(selected)
         parts.append(f"<div class='pt-reads' data-role='reads' style='{_PANEL}'><b>A decode step for seq "
                      f"{_esc(selected)} reads {n} slots, in this order</b> (block.offset):"
                      f"<div style='{_CHIPS};margin:4px 0 0'>")

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
-
 import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
+
+# after pagedlib, which picks Triton's mode before triton's first import
+pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
 from pagedlib.attention import paged_attention
 from pagedlib.cache import PagedKVCache
 from pagedlib.triton_attention import (

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+import pagedlib  # noqa: F401  (first: it picks Triton's mode before triton's first import)
+
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
 
 from pagedlib.triton_attention import compile_for_gpu_many, ptx_excerpt

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pagedlib.attention import kv_bytes
 from pagedlib.bench.timing import environment, print_table, write_json
 
 BATCHES = (1, 8, 64, 256)
@@ -69,8 +70,7 @@ class Shape:
 
     @property
     def kv_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.batch * self.context * self.kv_heads * self.head_dim * elem
+        return kv_bytes([self.context] * self.batch, self.kv_heads, self.head_dim, self.dtype)
 
 
 def shapes(batches: Sequence[int] = BATCHES, contexts: Sequence[int] = CONTEXTS) -> list[Shape]:
