@@ -42,6 +42,7 @@ class MemoryReport:
     paged_util: float
     table_entries: int
     paged_fit: int
+    seed: int = 0
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) pairs, in reading order."""
@@ -58,7 +59,7 @@ class MemoryReport:
         ]
 
     def text(self) -> str:
-        head = f"{self.spec.name}, {self.dtype}, {self.num_seqs} requests (synthetic, seed 0)"
+        head = f"{self.spec.name}, {self.dtype}, {self.num_seqs} requests (synthetic, seed {self.seed})"
         width = max(len(k) for k, _ in self.rows())
         return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in self.rows()])
 
@@ -86,8 +87,15 @@ def memory_report(
     spec, nbytes = PRESETS[preset], DTYPE_BYTES[dtype]
     lens = synthetic_seq_lens(num_seqs, max_tokens=max_tokens, seed=seed)
     contiguous = contiguous_kv_bytes(spec, max_tokens, num_seqs, nbytes)
-    # how many requests of the same kind paging admits in the contiguous scheme's budget
-    more = synthetic_seq_lens(num_seqs * 64, max_tokens=max_tokens, seed=seed)
+    # how many requests of the same kind paging admits in the contiguous scheme's budget: draw a longer
+    # stream of requests from the same seed until the budget runs out before the stream does
+    stream = 16 * num_seqs
+    while True:
+        more = synthetic_seq_lens(stream, max_tokens=max_tokens, seed=seed, as_array=True)
+        fit = max_sequences(spec, contiguous, more, block_size=block_size, dtype_bytes=nbytes)
+        if fit < stream:
+            break
+        stream *= 4
     return MemoryReport(
         spec=spec, dtype=dtype, max_tokens=max_tokens, block_size=block_size, num_seqs=num_seqs,
         bytes_per_token=kv_bytes_per_token(spec, nbytes),
@@ -97,7 +105,8 @@ def memory_report(
         contiguous_util=contiguous_utilization(lens, max_tokens),
         paged_util=paged_utilization(lens, block_size),
         table_entries=block_table_entries(lens, block_size),
-        paged_fit=max_sequences(spec, contiguous, more, block_size=block_size, dtype_bytes=nbytes),
+        paged_fit=fit,
+        seed=seed,
     )
 
 

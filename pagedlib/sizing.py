@@ -14,7 +14,7 @@ All functions are pure integer arithmetic: they return exact byte and slot count
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +156,7 @@ def contiguous_wasted_slots(seq_len: int, max_tokens: int) -> int:
 
 def block_table_entries(seq_lens: Iterable[int], block_size: int) -> int:
     """Total block-table entries (one int32 each) for the given sequences."""
+    block_size = _check_int("block_size", block_size)
     return sum(blocks_needed(n, block_size) for n in _seq_lens(seq_lens))
 
 
@@ -165,6 +166,7 @@ def _utilization(used: int, reserved: int) -> float:
 
 def contiguous_utilization(seq_lens: Iterable[int], max_tokens: int) -> float:
     """Fraction of reserved slots that hold a token when every sequence reserves ``max_tokens``."""
+    max_tokens = _check_int("max_tokens", max_tokens)
     lens = _seq_lens(seq_lens)
     for n in lens:
         contiguous_wasted_slots(n, max_tokens)  # validates n <= max_tokens
@@ -173,45 +175,55 @@ def contiguous_utilization(seq_lens: Iterable[int], max_tokens: int) -> float:
 
 def paged_utilization(seq_lens: Iterable[int], block_size: int) -> float:
     """Fraction of allocated slots that hold a token when sequences hold whole blocks."""
+    block_size = _check_int("block_size", block_size)
     lens = _seq_lens(seq_lens)
     allocated = sum(blocks_needed(n, block_size) * block_size for n in lens)
     return _utilization(sum(lens), allocated)
 
 
 def max_sequences(
-    spec: ModelSpec, budget_bytes: int, seq_lens: Sequence[int], *, max_tokens: int | None = None,
-    block_size: int | None = None, dtype_bytes: int = 2,
+    spec: ModelSpec, budget_bytes: int, seq_lens: Iterable[int] | np.ndarray, *,
+    max_tokens: int | None = None, block_size: int | None = None, dtype_bytes: int = 2,
 ) -> int:
     """How many of the given sequences, admitted in order, fit in ``budget_bytes`` of KV cache.
 
-    Give ``max_tokens`` for contiguous reservation or ``block_size`` for paging (exactly one).
+    Give ``max_tokens`` for contiguous reservation or ``block_size`` for paging (exactly one). Each
+    sequence costs its slots (``max_tokens``, or its whole blocks) times ``kv_bytes_per_token``; the
+    answer is the longest prefix whose running total stays within the budget.
     """
     budget_bytes = _check_int("budget_bytes", budget_bytes, minimum=0)
     if (max_tokens is None) == (block_size is None):
         raise ValueError("give exactly one of max_tokens (contiguous) or block_size (paged)")
     per_token = kv_bytes_per_token(spec, dtype_bytes)
-    used = 0
-    for count, n in enumerate(_seq_lens(seq_lens)):
-        if max_tokens is not None:
-            contiguous_wasted_slots(n, max_tokens)  # validates n <= max_tokens
-            slots = max_tokens  # the reservation ignores the actual length
-        else:
-            slots = blocks_needed(n, block_size) * block_size
-        used += slots * per_token
-        if used > budget_bytes:
-            return count
-    return len(seq_lens)
+    if isinstance(seq_lens, np.ndarray) and seq_lens.dtype.kind in "iu":  # validated in one go
+        if seq_lens.size and seq_lens.min() < 0:
+            raise ValueError(f"seq_lens must be >= 0, got {seq_lens.min()}")
+        lens = seq_lens.astype(np.int64)
+    else:
+        lens = np.asarray(_seq_lens(seq_lens), dtype=np.int64)
+    if max_tokens is not None:
+        max_tokens = _check_int("max_tokens", max_tokens)
+        if lens.size and lens.max() > max_tokens:
+            raise ValueError(f"seq_lens holds {lens.max()} tokens, more than max_tokens ({max_tokens})")
+        slots = np.full_like(lens, max_tokens)  # the reservation ignores the actual length
+    else:
+        block_size = _check_int("block_size", block_size)
+        slots = -(-lens // block_size) * block_size  # whole blocks
+    running = np.cumsum(slots * per_token)
+    return int(np.searchsorted(running, budget_bytes, side="right"))
 
 
 def synthetic_seq_lens(
-    num_seqs: int, *, max_tokens: int = 4096, median: int = 300, sigma: float = 1.0, seed: int = 0
-) -> list[int]:
+    num_seqs: int, *, max_tokens: int = 4096, median: int = 300, sigma: float = 1.0, seed: int = 0,
+    as_array: bool = False,
+) -> list[int] | np.ndarray:
     """Lengths (prompt + generated tokens) of a seeded synthetic request mix.
 
     Drawn from a log-normal distribution with the given ``median`` and log-space ``sigma``, rounded,
     and clipped to ``[1, max_tokens]``. Log-normal because serving traces look like it: lengths are
     positive and right-skewed, most requests are a few hundred tokens and a few run to the limit
     (the chat traces used in the vLLM paper have means of a few hundred tokens and long tails).
+    The first ``n`` lengths do not depend on ``num_seqs``; ``as_array`` returns an int64 array.
     """
     num_seqs = _check_int("num_seqs", num_seqs)
     max_tokens = _check_int("max_tokens", max_tokens)
@@ -220,13 +232,14 @@ def synthetic_seq_lens(
         raise ValueError(f"sigma must be a positive number, got {sigma!r}")
     rng = np.random.default_rng(seed)
     raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=num_seqs)
-    return [int(x) for x in np.clip(np.rint(raw), 1, max_tokens)]
+    lens = np.clip(np.rint(raw), 1, max_tokens).astype(np.int64)
+    return lens if as_array else lens.tolist()
 
 
 def format_bytes(n: int | float) -> str:
     """Binary units, three significant digits: ``format_bytes(2**29) == '512 MiB'``, ``'1.25 GiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.3g} {unit}"
+            return f"{n:.0f} {unit}" if float(n).is_integer() or abs(n) >= 100 else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

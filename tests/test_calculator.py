@@ -45,3 +45,15 @@ def test_bigger_blocks_waste_more():
 def test_bad_settings_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         memory_report(**kwargs)
+
+
+def test_fit_is_not_capped_for_long_reservations():
+    # at 128k-token reservations paging fits far more than 64x the requests: the answer must be exact
+    from pagedlib.sizing import contiguous_kv_bytes, max_sequences, synthetic_seq_lens
+
+    r = memory_report(max_tokens=131072, num_seqs=4)
+    spec = PRESETS["llama-3-8b"]
+    stream = synthetic_seq_lens(r.paged_fit * 2, max_tokens=131072, seed=0)
+    assert r.paged_fit == max_sequences(spec, contiguous_kv_bytes(spec, 131072, 4), stream, block_size=16)
+    assert r.paged_fit > 64 * 4
+    assert "seed 3" in memory_report(seed=3).text()

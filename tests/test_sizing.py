@@ -143,3 +143,41 @@ def test_format_bytes():
     assert format_bytes(128 * GiB) == "128 GiB"
     assert format_bytes(800 * 1024) == "800 KiB"
     assert format_bytes(1536) == "1.5 KiB"
+
+
+def test_max_sequences_takes_any_iterable_and_numpy_arrays():
+    import numpy as np
+
+    spec = PRESETS["llama-3-8b"]
+    lens = [100, 2000, 50, 4096]
+    budget = paged_kv_bytes(spec, lens[:3], 16)  # exactly the first three
+    assert max_sequences(spec, budget, iter(lens), block_size=16) == 3
+    assert max_sequences(spec, budget, np.array(lens), block_size=16) == 3
+    assert max_sequences(spec, budget - 1, lens, block_size=16) == 2
+    assert max_sequences(spec, 10**15, iter(lens), block_size=16) == 4
+    with pytest.raises(ValueError, match="seq_lens"):
+        max_sequences(spec, budget, np.array([5, -1]), block_size=16)
+    with pytest.raises(ValueError, match="block_size"):
+        max_sequences(spec, budget, lens, block_size=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        max_sequences(spec, budget, lens, max_tokens=1000)
+
+
+def test_scalar_arguments_are_checked_even_for_an_empty_batch():
+    with pytest.raises(ValueError, match="block_size"):
+        paged_utilization([], 0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        contiguous_utilization([], 0)
+    with pytest.raises(ValueError, match="block_size"):
+        block_table_entries([], -5)
+
+
+def test_format_bytes_never_switches_to_scientific_notation():
+    assert format_bytes(1_048_000) == "1023 KiB"
+    assert format_bytes(1023.5) == "1024 B"
+    assert "e+" not in format_bytes(1000.5 * 2**20)
+
+
+def test_synthetic_prefix_is_stable_and_arrays_match_lists():
+    assert synthetic_seq_lens(5, seed=1) == synthetic_seq_lens(50, seed=1)[:5]
+    assert synthetic_seq_lens(7, seed=1, as_array=True).tolist() == synthetic_seq_lens(7, seed=1)
