@@ -306,6 +306,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), cfg["TILE"]) * cfg["TILE"]
     dot_fp32 = interpreting() if dot_fp32 is None else dot_fp32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    seq_lens = seq_lens.contiguous()  # the kernel reads lens_ptr + seq: a strided view would misread
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split = num_splits > 1
     if split:

@@ -206,6 +206,17 @@ def test_strided_query_and_wide_tables():
     assert rel_err(out, reference_f64(c)) < REL_LIMIT[torch.float16]
 
 
+def test_strided_seq_lens_and_block_tables():
+    # every argument may be a view: lengths and tables taken as columns/rows of bigger int32 tensors
+    c = make_case([5, 7], kv_heads=1, group=2, head_dim=64, block_size=4, dtype=torch.float32)
+    lens2d = torch.stack([c.lens, torch.zeros_like(c.lens)], dim=1)          # [batch, 2]
+    tables3d = torch.stack([c.tables, torch.full_like(c.tables, -1)], dim=2)  # [batch, blocks, 2]
+    assert not lens2d[:, 0].is_contiguous() and not tables3d[:, :, 0].is_contiguous()
+    for splits in (1, 2):
+        out = paged_attention_triton(c.q, c.k, c.v, tables3d[:, :, 0], lens2d[:, 0], num_splits=splits)
+        assert rel_err(out, reference_f64(c)) < 1e-5
+
+
 def _bad_inputs(c: Case) -> dict[str, tuple]:
     """Arguments ``paged_attention`` rejects, each broken in one way."""
     args = (c.q, c.k, c.v, c.tables, c.lens)
