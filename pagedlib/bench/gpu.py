@@ -336,12 +336,14 @@ def _flex_setup(pool: Pool, shape: Shape) -> tuple[Callable[..., Any], Callable[
     # flex wants [1, kv_heads, num_blocks * block_size, head_dim]: the same pool in head-major layout
     k_flex = pool.k.permute(2, 0, 1, 3).reshape(1, shape.kv_heads, nb * bs, shape.head_dim)
     v_flex = pool.v.permute(2, 0, 1, 3).reshape(1, shape.kv_heads, nb * bs, shape.head_dim)
-    paged = PagedAttention(nb, bs, shape.batch, device="cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
-    logical = create_block_mask(lambda b, h, q, kv: kv >= 0, shape.batch, None, 1, shape.context,
+    context = shape.context  # the last page may be partly filled: mask the positions past the end
+    logical = create_block_mask(lambda b, h, q, kv: kv < context, shape.batch, None, 1, shape.context,
                                 device="cuda", BLOCK_SIZE=(128, bs))
 
     def mask_for(tables: torch.Tensor) -> Any:
+        # a fresh helper per table set: the converted mask reads its helper's mapping at call time
+        paged = PagedAttention(nb, bs, shape.batch, device="cuda")
         paged.page_table.fill_(-1)
         paged.physical_to_logical.fill_(-1)
         paged.page_table[:, : tables.shape[1]] = tables.long()
@@ -415,7 +417,7 @@ def run_shape(shape: Shape, pool: Pool, l2_bytes: int, args: argparse.Namespace,
                 masks = [mask_for(t) for t in tables]
                 q4s = [q[:, :, None, :] for q in qs]
                 t0 = time.perf_counter()
-                got = call(q4s[-1], masks[-1])[:, :, 0]  # the paged helper's tables hold the last set
+                got = call(q4s[-1], masks[-1])[:, :, 0]
                 compile_s = time.perf_counter() - t0
                 want = paged_attention_triton(qs[-1], pool.k, pool.v, tables[-1], lens)
                 err = ((got.double() - want.double()).norm() / want.double().norm()).item()
@@ -481,13 +483,14 @@ def main(args: argparse.Namespace) -> int:
         rows += new
         print_table(new, COLUMNS, title=f"batch {shape.batch}, context {shape.context} "
                                         f"({time.perf_counter() - t0:.0f} s)")
-    rows = finish_rows(rows, copy_gbps)
-    targets = check_targets(rows)
+        # written after every shape: a run cut short (lease over, time limit) keeps what it measured
+        targets = check_targets(rows)
+        payload = {"environment": env, "copy_gbps": copy_gbps, "correctness": checks, "rows": rows,
+                   "targets": targets, "shape": asdict(Shape(0, 0))}
+        json_path, md_path = write_results(args.out_dir, payload,
+                                           markdown_report(rows, env, copy_gbps, checks, targets))
+        sys.stdout.flush()
     print_table(targets, ["target", "value", "ok"], title="targets (H100/H200 class)")
-    payload = {"environment": env, "copy_gbps": copy_gbps, "correctness": checks, "rows": rows,
-               "targets": targets, "shape": asdict(Shape(0, 0))}
-    json_path, md_path = write_results(args.out_dir, payload, markdown_report(rows, env, copy_gbps, checks,
-                                                                              targets))
     if args.json:
         write_json(args.json, payload)
     print(f"wrote {json_path} and {md_path}")
