@@ -62,7 +62,7 @@ test: lint unit notebooks
 execute: $(STAMP)
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3 \
-		--ExecutePreprocessor.store_widget_state=False $(NB)
+		--ExecutePreprocessor.store_widget_state=False --ExecutePreprocessor.record_timing=False $(NB)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts
