@@ -164,6 +164,13 @@ class PagedKVCache:
         if seq_id not in self.seq_lens:
             raise UnknownSequenceError(seq_id, self.seq_lens)
 
+    def _live_ids(self, seq_ids: Iterable[Hashable] | torch.Tensor) -> list[Hashable]:
+        """``seq_ids`` as a list (read once: generators work; a tensor gives its values), all live."""
+        ids = seq_ids.tolist() if isinstance(seq_ids, torch.Tensor) else list(seq_ids)
+        for s in ids:
+            self._check_seq(s)
+        return ids
+
     def _check_kv(self, name: str, t: object, shape: tuple[int | None, ...], dims: str) -> None:
         """``shape`` entries that are ``None`` (a prompt's ``n``) match any size."""
         want = "[" + ", ".join("n" if d is None else str(d) for d in shape) + "]"
@@ -260,13 +267,8 @@ class PagedKVCache:
         Returns:
             the ``Slot(block, offset)`` written for each sequence, in order.
         """
-        if isinstance(seq_ids, torch.Tensor):
-            seq_ids = seq_ids.tolist()
-        seq_ids = list(seq_ids)
+        seq_ids = self._live_ids(seq_ids)
         lens = self.seq_lens
-        for s in seq_ids:
-            if s not in lens:
-                raise UnknownSequenceError(s, lens)
         if len(set(seq_ids)) != len(seq_ids):
             dup = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
             raise ValueError(f"seq_ids must be distinct: {dup!r} appears more than once")
@@ -331,14 +333,11 @@ class PagedKVCache:
             raise IndexError(f"layer {l} out of range for {self.num_layers} layers")
         return self.k[:, l], self.v[:, l]
 
-    def block_table(self, seq_ids: Sequence[Hashable], width: int | None = None) -> torch.Tensor:
+    def block_table(self, seq_ids: Iterable[Hashable], width: int | None = None) -> torch.Tensor:
         """int32 ``[batch, max_blocks]`` block tables padded with -1, on the cache's device.
 
         ``width`` fixes ``max_blocks`` (default: the longest table in the batch)."""
-        tables = []
-        for s in seq_ids:
-            self._check_seq(s)
-            tables.append(self.tables[s])
+        tables = [self.tables[s] for s in self._live_ids(seq_ids)]
         longest = max((len(t) for t in tables), default=0)
         width = longest if width is None else width
         if width < longest:
@@ -346,11 +345,10 @@ class PagedKVCache:
         rows = [t + [-1] * (width - len(t)) for t in tables]
         return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width).to(self.device)
 
-    def seq_lens_tensor(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+    def seq_lens_tensor(self, seq_ids: Iterable[Hashable]) -> torch.Tensor:
         """int32 ``[batch]`` lengths of ``seq_ids``, on the cache's device."""
-        for s in seq_ids:
-            self._check_seq(s)
-        return torch.tensor([self.seq_lens[s] for s in seq_ids], dtype=torch.int32).to(self.device)
+        lens = [self.seq_lens[s] for s in self._live_ids(seq_ids)]
+        return torch.tensor(lens, dtype=torch.int32).to(self.device)
 
     def gather(self, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous copies of a sequence's K and V: ``[num_layers, seq_len, kv_heads, head_dim]``.

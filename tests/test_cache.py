@@ -450,3 +450,17 @@ def test_check_invariants_detects_corruption(corrupt, number):
     corrupt(c)
     with pytest.raises(InvariantError, match=number):
         c.check_invariants()
+
+
+def test_read_side_takes_any_iterable_of_ids_and_tensors():
+    cache = PagedKVCache(8, 1, 2, 1, 2)
+    for s, n in ((0, 3), (1, 1)):
+        cache.add_sequence(s)
+        cache.append_tokens(s, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
+    want_lens = torch.tensor([3, 1], dtype=torch.int32)
+    assert torch.equal(cache.seq_lens_tensor(iter([0, 1])), want_lens)  # a generator is read once
+    assert torch.equal(cache.seq_lens_tensor(torch.tensor([0, 1])), want_lens)
+    assert cache.block_table(iter([0, 1])).tolist() == [[0, 1], [2, -1]]
+    assert cache.block_table(torch.tensor([1])).tolist() == [[2]]
+    with pytest.raises(KeyError, match="unknown sequence id 5"):
+        cache.seq_lens_tensor(iter([0, 5]))
