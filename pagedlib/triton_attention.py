@@ -370,8 +370,8 @@ def _decode_kernel_source(dtype: str, head_dim: int, block_size: int, group: int
     return ASTSource(fn, signature, constexprs, attrs)
 
 
-def _merge_kernel_source(head_dim: int, num_splits: int) -> Any:
-    """An ``ASTSource`` for the merge kernel (fp32 partials in, fp32 output)."""
+def _merge_kernel_source(head_dim: int, num_splits: int, out_dtype: str = "float32") -> Any:
+    """An ``ASTSource`` for the merge kernel (fp32 partials in, ``out_dtype`` output, as ``q``'s)."""
     from triton.compiler import ASTSource
 
     fn = _merge_splits_kernel
@@ -380,6 +380,7 @@ def _merge_kernel_source(head_dim: int, num_splits: int) -> Any:
     constexprs: dict[str, Any] = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p,
                                   "SPLITS_P": triton.next_power_of_2(num_splits), **{n: 1 for n in unit}}
     signature = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    signature["out_ptr"] = "*" + _TRITON_TYPES[out_dtype]
     signature.update({n: "constexpr" for n in constexprs})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n.endswith("_ptr")}
     return ASTSource(fn, signature, constexprs, attrs)
@@ -392,7 +393,7 @@ def _compile_specs_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = []
     for spec in specs:
         if spec.get("kernel", "decode") == "merge":
-            src = _merge_kernel_source(spec["head_dim"], spec["num_splits"])
+            src = _merge_kernel_source(spec["head_dim"], spec["num_splits"], spec.get("dtype", "float32"))
         else:
             src = _decode_kernel_source(spec["dtype"], spec["head_dim"], spec["block_size"], spec["group"],
                                         spec["split"])
@@ -408,7 +409,7 @@ def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> l
 
     Each spec is a dict: ``arch`` (80, 90, ...), and either the decode kernel's ``dtype`` (``"float16"``,
     ``"bfloat16"``, ``"float32"``), ``head_dim``, ``block_size``, ``group``, ``split``, or
-    ``kernel="merge"`` with ``head_dim`` and ``num_splits``.
+    ``kernel="merge"`` with ``head_dim``, ``num_splits`` and optionally ``dtype`` (of the output).
     """
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups

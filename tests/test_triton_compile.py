@@ -30,14 +30,16 @@ DECODE = [
     ("float16", 80, 128, 5, False),
 ]
 ARCHS = (80, 90)
+# merge kernel: (head_dim, num_splits, output dtype = q's dtype); real launches store fp16/bf16
+MERGE = ((128, 33, "float16"), (80, 2, "bfloat16"), (96, 5, "float32"))
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[tuple, dict]:
     specs = [{"arch": a, "dtype": d, "head_dim": hd, "block_size": bs, "group": g, "split": s}
              for a in ARCHS for d, hd, bs, g, s in DECODE]
-    specs += [{"arch": a, "kernel": "merge", "head_dim": hd, "num_splits": n}
-              for a in ARCHS for hd, n in ((128, 33), (80, 2))]
+    specs += [{"arch": a, "kernel": "merge", "head_dim": hd, "num_splits": n, "dtype": d}
+              for a in ARCHS for hd, n, d in MERGE]
     results = compile_for_gpu_many(specs)
     return {tuple(sorted((k, v) for k, v in r.items() if k in spec)): r for r, spec in zip(results, specs)}
 
@@ -66,9 +68,12 @@ def test_decode_kernel_compiles(compiled, arch, dtype, head_dim, block_size, gro
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_merge_kernel_compiles(compiled, arch):
-    for head_dim, splits in ((128, 33), (80, 2)):
-        ptx = _get(compiled, arch=arch, kernel="merge", head_dim=head_dim, num_splits=splits)["ptx"]
+    for head_dim, splits, dtype in MERGE:
+        spec = {"arch": arch, "kernel": "merge", "head_dim": head_dim, "num_splits": splits, "dtype": dtype}
+        ptx = _get(compiled, **spec)["ptx"]
         assert f".target sm_{arch}" in ptx and ".entry _merge_splits_kernel" in ptx
+        store = {"float16": "st.global.b16", "bfloat16": "st.global.b16", "float32": "st.global.b32"}[dtype]
+        assert store in ptx, f"the {dtype} output store is missing"
 
 
 def test_ptx_excerpt_shows_the_k_tile_load(compiled):
