@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from pagedlib.bench.timing import environment, print_table, time_fn, write_json
+from pagedlib.bench.timing import DTYPES, environment, print_table, time_fn, write_json
 from pagedlib.cache import PagedKVCache
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 COLUMNS = ["phase", "method", "tokens", "us_per_call", "tokens_per_s", "GB_per_s", "pct_of_copy",
            "speedup_vs_append_token"]
 

@@ -30,10 +30,9 @@ from pagedlib.attention import (
     paged_prefill_attention,
     reference_paged_attention,
 )
-from pagedlib.bench.timing import Timing, environment, print_table, time_fn, write_json
+from pagedlib.bench.timing import DTYPES, Timing, environment, print_table, time_fn, write_json
 from pagedlib.cache import PagedKVCache
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", "x_contig", "spread"]
 
 

@@ -13,6 +13,11 @@ from typing import Any
 
 import torch
 
+#: dtype names the benchmark commands accept (``--dtype``), and the torch dtypes they stand for.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
 
 @dataclass(frozen=True)
 class Timing:
