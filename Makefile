@@ -52,15 +52,23 @@ else
 NBVAL_NOTEBOOKS := $(filter-out %05_triton_kernel.ipynb,$(NOTEBOOKS))
 endif
 
+# The CPU path, with caches that start empty on every run: a stored output must be a fact about the code,
+# never about what an earlier run left in Triton's or matplotlib's cache (Triton's cache is keyed by a
+# kernel's source text only, so it can hand back PTX compiled from another checkout). The matplotlib
+# font list is built up front so that building it cannot write to a notebook's stderr.
+CPU_PATH = tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	export CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 TRITON_CACHE_DIR=$$tmp/triton MPLCONFIGDIR=$$tmp/mpl && \
+	$(BIN)/python -c "import matplotlib.font_manager" &&
+
 notebooks: $(STAMP)
 	@test -n "$(NOTEBOOKS)" || { echo "no notebooks found under notebooks/"; exit 1; }
 	@test "$(NOTEBOOKS)" = "$(NBVAL_NOTEBOOKS)" || echo "not Linux, no Triton: skipping notebook 05"
-	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(BIN)/python -m pytest $(NBVAL) $(NBVAL_NOTEBOOKS)
+	$(CPU_PATH) $(BIN)/python -m pytest $(NBVAL) $(NBVAL_NOTEBOOKS)
 
 test: lint unit notebooks
 
 execute: $(STAMP)
-	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	$(CPU_PATH) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3 \
 		--ExecutePreprocessor.store_widget_state=False --ExecutePreprocessor.record_timing=False $(NB)
 

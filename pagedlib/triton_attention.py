@@ -434,6 +434,23 @@ def compile_for_gpu(arch: int = 90, *, dtype: str = "float16", head_dim: int = 1
     return compile_for_gpu_many([spec])[0]
 
 
+def ptx_instructions(ptx: str) -> list[str]:
+    """The instructions of ``ptx``, one per entry, without directives, labels, comments or braces.
+
+    Count these, not lines: a PTX file also carries debug information that is a fact about the checkout,
+    not the kernel. Its DWARF sections spell the source file's absolute path one ``.b8`` byte per line,
+    and its ``.loc`` directives carry the kernel's line numbers, so the line count changes with the
+    folder the repo was cloned into (and Triton's cache, keyed by the kernel's source text alone, can
+    hand back PTX compiled from another checkout).
+    """
+    out = []
+    for line in ptx.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code and not code.startswith((".", "$", "{", "}")) and not code.endswith(":"):
+            out.append(code)
+    return out
+
+
 def ptx_excerpt(ptx: str, context: int = 6) -> str:
     """The lines of ``ptx`` around the first global load of the K tile.
 

@@ -6,7 +6,13 @@ kernels to PTX as well. All configurations compile in one subprocess (``compile_
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +20,7 @@ import pagedlib  # noqa: F401  (first: it picks Triton's mode before triton's fi
 
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
 
-from pagedlib.triton_attention import compile_for_gpu_many, ptx_excerpt
+from pagedlib.triton_attention import compile_for_gpu_many, ptx_excerpt, ptx_instructions
 
 # (dtype, head_dim, block_size, group, split): every dtype, the real head dims, block sizes 1..128
 DECODE = [
@@ -81,3 +87,23 @@ def test_ptx_excerpt_shows_the_k_tile_load(compiled):
     excerpt = ptx_excerpt(r["ptx"])
     assert "cp.async" in excerpt or "ld.global" in excerpt
     assert ptx_excerpt(r["ptx"]) == excerpt  # deterministic: the notebook prints it under nbval
+
+
+def test_what_notebook_05_prints_does_not_depend_on_the_checkout(compiled, tmp_path):
+    """A clone in another folder, compiled with an empty Triton cache, gives the same instructions and the
+    same excerpt (the PTX line count differs: its debug sections spell the source path byte by byte)."""
+    here = _get(compiled, arch=90, dtype="float16", head_dim=128, block_size=16, group=4, split=False)
+    clone = tmp_path / "a-checkout-in-a-folder-with-a-much-longer-name"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "pagedlib", clone / "pagedlib",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import json, torch\n"
+            "from pagedlib.triton_attention import compile_for_gpu\n"
+            "print(json.dumps(compile_for_gpu(90, dtype='float16', head_dim=128, block_size=16, group=4)))\n")
+    env = {**os.environ, "PYTHONPATH": str(clone), "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = json.loads(proc.stdout)
+    assert f'"{clone}/pagedlib/triton_attention.py"' in there["ptx"]  # compiled from the clone's source
+    assert ptx_instructions(there["ptx"]) == ptx_instructions(here["ptx"])
+    assert ptx_excerpt(there["ptx"]) == ptx_excerpt(here["ptx"])
