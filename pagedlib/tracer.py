@@ -149,20 +149,18 @@ class BlockTableTracer:
         which takes every block they need up front, or none if the pool is short.
         """
         seq_id, cache = self._target(seq_id), self.cache
-        start, table = cache.seq_lens[seq_id], cache.tables[seq_id]
-        n = as_int("n", n, minimum=1)
-        room = cache.num_blocks * cache.block_size - start  # checked before any K/V is built
-        if n > room:
-            raise ValueError(f"n must be <= {room} (the pool holds {room + start} tokens, seq {seq_id} "
-                             f"already has {start}), got {n}")
+        # n is checked against the whole pool before any K/V is built; an n that fits the pool but not its
+        # free blocks is refused by the cache itself (OutOfBlocksError) before it takes anything
+        n = as_int("n", n, minimum=1, maximum=cache.num_blocks * cache.block_size)
+        start, held = cache.seq_lens[seq_id], len(cache.tables[seq_id])
+        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p
         values = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
-        held = len(table)
         if n == 1:
-            cache.append_token(seq_id, values[:, 0], values[:, 0])  # [num_layers=1, kv_heads=1, head_dim=2]
+            cache.append_token(seq_id, values[:, 0], values[:, 0])  # [num_layers, kv_heads, head_dim]
         else:
-            cache.append_tokens(seq_id, values, values)  # [num_layers=1, n, kv_heads=1, head_dim=2]
+            cache.append_tokens(seq_id, values, values)
         self._selected, self._lookup = seq_id, (seq_id, start + n - 1)
-        self._log = self._explain_append(seq_id, start, n, table[held:])
+        self._log = self._explain_append(seq_id, start, n, cache.tables[seq_id][held:])
 
     @_action
     def free(self, seq_id: int | None = None) -> None:
@@ -275,7 +273,7 @@ class BlockTableTracer:
         self.add_button = _button("Add sequence", "pt-add", "plus", "register a new, empty sequence")
         self.append_button = _button("Append token", "pt-append", "step-forward",
                                      "append one token to the selected sequence (a decode step)")
-        self.n_tokens = _styled(widgets.BoundedIntText(value=5, min=1, max=MAX_SLOTS, description="N"),
+        self.n_tokens = _styled(widgets.IntText(value=5, description="N"),  # not clamped: append checks N
                                 "pt-n", "90px", "18px")
         self.append_n_button = _button("Append N", "pt-append-n", "fast-forward",
                                        "append N tokens at once (a prompt)")
