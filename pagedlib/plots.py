@@ -8,10 +8,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-# Owner colours shared by the pool picture (notebook 02) and the tracer widget (notebook 03):
-# sequence i gets OWNER_COLORS[i % len(OWNER_COLORS)]; free blocks are FREE_COLOR.
-OWNER_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
-FREE_COLOR = "#EEEEEE"
+from pagedlib.colors import FREE_COLOR, OWNER_COLORS, owner_color
 
 
 def _new_figure(width: float = 7.0, height: float = 3.5) -> tuple[Figure, plt.Axes]:
@@ -98,15 +95,6 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 
 
 # --- notebook 02: block allocator -----------------------------------------------------------------
-
-
-def owner_color(seq_id: object, order: list[object] | None = None) -> str:
-    """Colour of a sequence: ``OWNER_COLORS[seq_id % 8]`` for an int id (as the tracer widget does),
-    else by the id's rank in ``order``."""
-    if isinstance(seq_id, int) and not isinstance(seq_id, bool):
-        return OWNER_COLORS[seq_id % len(OWNER_COLORS)]
-    rank = order.index(seq_id) if order and seq_id in order else 0
-    return OWNER_COLORS[rank % len(OWNER_COLORS)]
 
 
 def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:

@@ -149,7 +149,7 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             block9 = view.locator("[data-block='9']")
             free_stack = view.locator("[data-role='free-stack']")
             table0 = view.locator("[data-seq='0']")
-            expect(block9).to_have_attribute("data-owner", "free")
+            expect(block9).to_have_attribute("data-holders", "")
             expect(free_stack.locator(".is-top")).to_have_attribute("data-free", "9")
             expect(table0).to_have_attribute("data-len", "7")
             expect(table0.locator("[data-entry]")).to_have_text(["5", "2"])
@@ -158,11 +158,11 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             append.click()  # position 7: offset 3 of block 2, no new block
             expect(table0).to_have_attribute("data-len", "8")
             expect(view.locator("[data-block='2'] [data-slot='3']")).to_have_text("s0:t7")
-            expect(block9).to_have_attribute("data-owner", "free")
+            expect(block9).to_have_attribute("data-holders", "")
 
             append.click()  # position 8: 8 % 4 == 0, block 9 comes off the free stack
             expect(table0).to_have_attribute("data-len", "9")
-            expect(block9).to_have_attribute("data-owner", "0")
+            expect(block9).to_have_attribute("data-holders", "0")
             expect(block9.locator("[data-slot='0']")).to_have_text("s0:t8")
             expect(block9.locator("[data-slot='0']")).to_have_class("pt-slot is-filled is-lookup")
             expect(free_stack.locator("[data-free='9']")).to_have_count(0)
@@ -173,8 +173,8 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             widget.locator(".widget-button.pt-add").click()
             widget.locator(".widget-button.pt-append-n").click()
             expect(view.locator("[data-seq='1']")).to_have_attribute("data-len", "5")
-            expect(view.locator("[data-block='0']")).to_have_attribute("data-owner", "1")
-            expect(view.locator("[data-block='1']")).to_have_attribute("data-owner", "1")
+            expect(view.locator("[data-block='0']")).to_have_attribute("data-holders", "1")
+            expect(view.locator("[data-block='1']")).to_have_attribute("data-holders", "1")
             expect(view.locator("[data-role='error']")).to_have_count(0)
 
             # back to seq 0 with the dropdown; the position box looks up token 8 (block 9, offset 0)
@@ -190,13 +190,19 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             if shot:
                 widget.screenshot(path=shot)
 
+            position.fill("99")  # out of range: the error shows, nothing changes, the box snaps back
+            position.press("Enter")
+            expect(view.locator("[data-role='error']")).to_contain_text("Nothing changed")
+            expect(position).to_have_value("8")
+            expect(view.locator("[data-role='lookup']")).to_contain_text("physical block 9")
+
             # Play: each tick of the frontend's timer applies one scripted step in the kernel; Stop resets
             play_buttons = widget.locator(".pt-play button")
             play_buttons.nth(0).click()
             expect(view.locator("[data-role='log']")).to_contain_text("Scenario step 2/")
             play_buttons.nth(1).click()
             expect(view.locator("[data-role='log']")).to_contain_text("Scenario ready")
-            expect(view.locator("[data-owner='free']")).to_have_count(12)
+            expect(view.locator("[data-holders='']")).to_have_count(12)
         except Exception:
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "browser-tracer-failure.png"), full_page=True)

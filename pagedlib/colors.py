@@ -1,0 +1,17 @@
+"""The course's colours, shared by the matplotlib figures (``plots``) and the tracer widget's HTML
+(``tracer``), so a sequence has the same colour in every picture. Plain strings: no matplotlib here."""
+
+from __future__ import annotations
+
+# sequence i gets OWNER_COLORS[i % len(OWNER_COLORS)]; free blocks are FREE_COLOR
+OWNER_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+FREE_COLOR = "#EEEEEE"
+
+
+def owner_color(seq_id: object, order: list[object] | None = None) -> str:
+    """Colour of a sequence: ``OWNER_COLORS[seq_id % 8]`` for an int id (as the tracer widget does),
+    else by the id's rank in ``order``."""
+    if isinstance(seq_id, int) and not isinstance(seq_id, bool):
+        return OWNER_COLORS[seq_id % len(OWNER_COLORS)]
+    rank = order.index(seq_id) if order and seq_id in order else 0
+    return OWNER_COLORS[rank % len(OWNER_COLORS)]
