@@ -322,14 +322,15 @@ def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dic
 
 def plot_serving_timeline(results: list) -> Figure:
     """Per step, for each ``SimResult``: the share of used-or-stranded KV memory that holds tokens (top)
-    and the number of running requests (bottom)."""
+    and the number of running requests (bottom); long runs are drawn at every k-th step."""
     import numpy as np
 
     from pagedlib.serving import CATEGORIES
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.0), sharex=True, layout="constrained")
     for r in results:
-        s = r.series
+        every = max(1, len(r.series["step"]) // 1500)  # at most ~1,500 points a line
+        s = {k: v[::every] for k, v in r.series.items()}
         used = sum(s[k] for k in CATEGORIES)
         util = np.where(used > 0, 100 * s["token"] / np.maximum(used, 1), np.nan)
         style = {"color": POLICY_COLORS.get(r.policy), "lw": 0.9, "label": r.policy}
@@ -339,7 +340,7 @@ def plot_serving_timeline(results: list) -> Figure:
     top.set_ylim(0, 102)
     bottom.set_ylabel("running requests")
     bottom.set_xlabel("step (one batched forward pass)")
-    top.legend(frameon=False, fontsize=8, ncol=len(results), loc="lower center")
+    bottom.legend(frameon=False, fontsize=8, loc="upper right")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     return fig
@@ -446,3 +447,15 @@ def _pad(a, n: int, value):
     import numpy as np
 
     return np.concatenate([a, np.full(n, value, dtype=a.dtype)]) if n else a
+
+
+def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
+    """``plot_pool_step`` rendered to PNG bytes and closed: the frames of the notebook-07 slider (an
+    ``ipywidgets.Image``, so no output widget has to capture a figure)."""
+    import io
+
+    fig = plot_pool_step(result, index)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()

@@ -21,6 +21,7 @@ from pagedlib.serving import (
     shared_prompt_like,
     sharegpt_like,
     simulate,
+    write_fake_kv,
 )
 
 # ------------------------------------------------------------------------------------------------------
@@ -178,13 +179,11 @@ def test_recompute_rewrites_every_token_in_order():
     sched = Scheduler(cache, max_model_len=16, watermark=0.0)
     for r in [Request(0, 0, 4, 5), Request(1, 0, 3, 6)]:
         sched.add(r)
-    from pagedlib.serving import _execute  # the runner simulate uses
-
     seen_preempted = False
     while sched.has_unfinished:
         plan = sched.step()
         seen_preempted |= bool(plan.preempted)
-        _execute(sched, plan)
+        write_fake_kv(sched, plan)
         for r in sched.running:  # K holds each token's position, V the request id
             k, v = cache.gather(r.req_id)
             assert k.flatten().tolist() == list(range(cache.seq_lens[r.req_id]))

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedlib.cache import PagedKVCache
-from pagedlib.serving import CATEGORIES, POLICIES, Request, Scheduler, _execute, simulate
+from pagedlib.serving import CATEGORIES, POLICIES, Request, Scheduler, simulate, write_fake_kv
 
 MAX_MODEL_LEN = 40
 
@@ -72,7 +72,7 @@ def test_scheduler_invariants_step_by_step(requests, cfg):
         if not (pending or sched.has_unfinished):
             break
         plan = sched.step()
-        _execute(sched, plan)
+        write_fake_kv(sched, plan)
         check_step(sched, plan, cfg)
         for r in plan.scheduled:
             if sched.generated[r.req_id] == r.output_len:
