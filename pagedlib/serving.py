@@ -278,6 +278,10 @@ class Scheduler:
                  watermark: float = 0.01, max_model_len: int = 2048, kv_budget_blocks: int | None = None,
                  sliding_window: int | None = None) -> None:
         self.policy = check_policy(policy)
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        if cache.seq_lens:
+            raise ValueError(f"cache must be empty: it holds sequences {list(cache.seq_lens)[:8]}")
         self.cache = cache
         self.block_size = cache.block_size
         self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
@@ -313,7 +317,8 @@ class Scheduler:
         return budget
 
     def reservation(self, request: Request) -> int:
-        """Slots a reservation policy sets aside for ``request`` when admitting it."""
+        """Slots a reservation policy sets aside for ``request`` when admitting it (under ``"paged"``: the
+        slots the request fills by its last step, for comparison)."""
         if self.policy == "reserve-max":
             return self.max_model_len
         if self.policy == "reserve-pow2":  # "if the true output length is 25, it reserves 32"

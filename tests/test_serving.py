@@ -242,6 +242,16 @@ def test_a_request_that_can_never_run_is_refused_before_any_work():
 
 def test_scheduler_misuse():
     cache = PagedKVCache(4, 1, 4, 1, 1)
+    with pytest.raises(ValueError, match="cache must be a PagedKVCache"):
+        Scheduler({"blocks": 4})
+    busy = PagedKVCache(4, 1, 4, 1, 1)
+    busy.add_sequence(0)
+    with pytest.raises(ValueError, match="cache must be empty"):
+        Scheduler(busy)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(cache, max_num_seqs=0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        Scheduler(cache, sliding_window=np.float64(4.0))
     with pytest.raises(ValueError, match="kv_budget_blocks must be 4"):
         Scheduler(cache, kv_budget_blocks=3)
     with pytest.raises(ValueError, match="needs kv_budget_blocks"):
