@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import sys
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
@@ -128,7 +129,7 @@ ALPACA = LengthModel(prompt_mean=19.31, prompt_sigma=0.6, output_mean=58.45, out
 
 
 def _check_rate(rate: object) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not rate > 0:
         raise ValueError(f"rate must be a positive number of requests per step (or math.inf), got {rate!r}")
     return float(rate)
 
@@ -287,9 +288,9 @@ class Scheduler:
         self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
         self.max_model_len = as_int("max_model_len", max_model_len, minimum=2)
         self.kv_budget_blocks = self._check_budget(kv_budget_blocks)
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+        if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
-        self.watermark_blocks = int(watermark * self.kv_budget_blocks) if policy == "paged" else 0
+        self.watermark_blocks = int(float(watermark) * self.kv_budget_blocks) if policy == "paged" else 0
         if sliding_window is not None:
             sliding_window = as_int("sliding_window", sliding_window, minimum=1)
             if policy != "paged":

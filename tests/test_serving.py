@@ -222,6 +222,10 @@ def test_bad_policy_and_arguments():
         simulate(reqs, "paged", 10, block_size=True)
     with pytest.raises(ValueError, match="watermark"):
         simulate(reqs, "paged", 10, watermark=1.0)
+    with pytest.raises(ValueError, match="watermark"):
+        simulate(reqs, "paged", 10, watermark=float("nan"))
+    assert simulate(reqs, "paged", np.int64(10), np.int32(4), watermark=np.float32(0.1),
+                    max_model_len=16).tokens_generated == 5
     with pytest.raises(ValueError, match="distinct"):
         simulate(reqs + [Request(0, 3, 1, 1)], "paged", 10)
     with pytest.raises(ValueError, match="Request"):
