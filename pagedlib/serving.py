@@ -41,7 +41,8 @@ from pagedlib.checks import as_int, ceil_div
 from pagedlib.window import release_outside_window
 
 __all__ = [
-    "ALPACA", "CATEGORIES", "POLICIES", "SHAREGPT", "FirstFit", "LengthModel", "Request", "RequestResult",
+    "ALPACA", "CATEGORIES", "POLICIES", "SHAREGPT", "FirstFit", "LengthModel", "Occupancy", "Request",
+    "RequestResult",
     "PAPER_FIGURE13", "PAPER_FIGURE2", "Scheduler", "SimResult", "StepPlan", "alpaca_like", "main",
     "sharegpt_like", "shared_prompt_like", "simulate", "synthetic_workload", "write_fake_kv",
 ]
@@ -495,7 +496,7 @@ class SimResult:
     block_size: int
     kv_budget_blocks: int
     num_requests: int
-    steps: int
+    steps: int                            # steps simulated (idle stretches before an arrival are skipped)
     kv_utilization: float                 # token / all categories
     breakdown: dict[str, float]           # CATEGORIES -> fraction, summing to 1
     mean_running: float
