@@ -7,6 +7,7 @@ Modules (each notebook imports from exactly one or two of them):
 - ``tracer``            ``BlockTableTracer`` widget (notebook 03)
 - ``attention``         reference, vectorized paged and contiguous attention (notebook 04)
 - ``triton_attention``  the fused Triton decode kernel (notebook 05)
+- ``serving``, ``window``  workloads, the step-level scheduler, sliding windows (notebook 07)
 - ``plots``, ``bench``, ``notebook``  figures, benchmarks, notebook helpers
 """
 

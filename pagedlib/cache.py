@@ -480,3 +480,20 @@ class PagedKVCache:
         if len(items) > 8:
             lines.append(f"  ... and {len(items) - 8} more sequences")
         return "\n".join(lines)
+
+    def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
+        """Give back the first ``n`` blocks of a sequence, all full, whose tokens it no longer needs (a
+        sliding window, ``pagedlib.window``). The sequence then holds ``n * block_size`` tokens fewer and
+        its table starts at its former block ``n``; the caller keeps the offset of the first token held.
+        The four invariants hold as before. Returns the freed block ids (the first one ends on top)."""
+        self._check_seq(seq_id)
+        full = self.seq_lens[seq_id] // self.block_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= full:
+            raise ValueError(f"n must be an int in [0, {full}] (the full blocks of sequence {seq_id!r}), "
+                             f"got {n!r}")
+        table = self.tables[seq_id]
+        blocks = table[:n]
+        del table[:n]
+        self.seq_lens[seq_id] -= n * self.block_size
+        self._release_blocks(blocks)
+        return blocks

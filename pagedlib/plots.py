@@ -258,3 +258,192 @@ def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[in
     ax.set_title("Does the grid fill the GPU? (8 KV heads)")
     ax.legend(fontsize=8, loc="upper left")
     return fig
+
+
+# --- notebook 07: serving simulation --------------------------------------------------------------
+
+WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
+                "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
+WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
+                "internal": "internal fragmentation", "external": "external fragmentation",
+                "other": "other (free, too little / watermark)", "unattributed": "not broken down"}
+POLICY_COLORS = {"paged": OWNER_COLORS[0], "reserve-max": OWNER_COLORS[3], "reserve-pow2": OWNER_COLORS[1],
+                 "reserve-oracle": OWNER_COLORS[2]}
+# request colours in the pool pictures: request i gets REQUEST_COLORS[i % 12]
+REQUEST_COLORS = (*OWNER_COLORS, "#2F4B7C", "#FFA600", "#7A9E2F", "#00A5B8")
+
+
+def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dict[str, float]]) -> Figure:
+    """The vLLM paper's Figure 2 next to ours: for each policy a hatched bar (the paper's numbers) and a
+    plain one (``SimResult.breakdown``), stacked by category, in % of the KV memory in use or stranded."""
+    from matplotlib.patches import Patch
+
+    fig, ax = _new_figure(9.5, 4.2)
+    ticks, labels = [], []
+    for i, policy in enumerate(ours):
+        for j, (who, parts) in enumerate((("paper", paper.get(policy)), ("ours", ours[policy]))):
+            if parts is None:
+                continue
+            x, bottom = 2.6 * i + 1.05 * j, 0.0
+            rest = max(0.0, 1.0 - sum(parts.values()))
+            for key, frac in [*parts.items(), ("unattributed", rest)]:
+                if frac < 5e-4:
+                    continue
+                ax.bar(x, 100 * frac, bottom=100 * bottom, width=0.95, color=WASTE_COLORS[key],
+                       edgecolor="white", hatch="///" if who == "paper" else None, lw=0.5)
+                if frac >= 0.035:
+                    ax.text(x, 100 * (bottom + frac / 2), f"{100 * frac:.1f}", ha="center", va="center",
+                            fontsize=7)
+                bottom += frac
+            ticks.append(x)
+            labels.append(f"{who}\n{policy}" if j else who)
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylabel("KV memory in use or stranded (%)")
+    ax.set_ylim(0, 100)
+    handles = [Patch(color=WASTE_COLORS[k], label=WASTE_LABELS[k]) for k in WASTE_COLORS]
+    handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="///",
+                         label="hatched: the paper's Figure 2"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    ax.set_title("Where the KV memory goes: the paper's Figure 2 and this simulation", fontsize=10)
+    return fig
+
+
+def plot_serving_timeline(results: list) -> Figure:
+    """Per step, for each ``SimResult``: the share of used-or-stranded KV memory that holds tokens (top)
+    and the number of running requests (bottom); long runs are drawn at every k-th step."""
+    import numpy as np
+
+    from pagedlib.serving import CATEGORIES
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.0), sharex=True, layout="constrained")
+    for r in results:
+        every = max(1, len(r.series["step"]) // 1500)  # at most ~1,500 points a line
+        s = {k: v[::every] for k, v in r.series.items()}
+        used = sum(s[k] for k in CATEGORIES)
+        util = np.where(used > 0, 100 * s["token"] / np.maximum(used, 1), np.nan)
+        style = {"color": POLICY_COLORS.get(r.policy), "lw": 0.9, "label": r.policy}
+        top.plot(s["step"], util, **style)
+        bottom.plot(s["step"], s["running"], **style)
+    top.set_ylabel("memory holding tokens (%)")
+    top.set_ylim(0, 102)
+    bottom.set_ylabel("running requests")
+    bottom.set_xlabel("step (one batched forward pass)")
+    bottom.legend(frameon=False, fontsize=8, loc="upper right")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_policy_sweep(rows: list[dict], x: str, ys: list[tuple[str, str]], xlabel: str,
+                      title: str = "") -> Figure:
+    """One panel per ``(key, label)`` in ``ys``: that column of ``rows`` against column ``x`` (log-2 axis),
+    one line per policy (rows as ``SimResult.row()`` makes them)."""
+    fig, axes = plt.subplots(1, len(ys), figsize=(4.6 * len(ys), 3.4), layout="constrained", squeeze=False)
+    for ax, (key, label) in zip(axes[0], ys):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = sorted((r[x], r[key]) for r in rows if r["policy"] == policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=POLICY_COLORS.get(policy),
+                    label=policy)
+        ticks = sorted({r[x] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(frameon=False, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _occupancy_rgb(owner, filled):
+    """RGB of slots (any shape): white if free, the owner's colour if it holds a token, a pale tint of it
+    if it is set aside but empty."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    palette = np.array([to_rgb(c) for c in REQUEST_COLORS])
+    rgb = np.ones((*owner.shape, 3))
+    held = owner >= 0
+    base = palette[owner[held] % len(palette)]
+    rgb[held] = np.where(filled[held][:, None], base, 0.3 * base + 0.7)
+    return rgb
+
+
+def plot_pool_occupancy(results: list, title: str = "") -> Figure:
+    """The pool over time, one panel per ``SimResult`` recorded with ``record_occupancy``: x is the step,
+    y the slot address; colour = request (solid: holds a token, pale: set aside and empty), white = free."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.4 * len(results) + 1.5, 4.0), layout="constrained",
+                             squeeze=False, sharex=True, sharey=True)
+    for ax, r in zip(axes[0], results):
+        occ = r.occupancy
+        slots = occ.owner.shape[1]
+        ax.imshow(_occupancy_rgb(occ.owner.T, occ.filled.T), aspect="auto", origin="lower",
+                  interpolation="nearest", extent=(occ.steps[0] - 0.5, occ.steps[-1] + 0.5, 0, slots))
+        if r.policy == "paged" and slots // r.block_size <= 64:
+            for b in range(1, slots // r.block_size):
+                ax.axhline(b * r.block_size, color="white", lw=0.3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"slot address ({slots} slots, block_size {r.block_size})")
+        ax.set_title(f"{r.policy}: mean {r.mean_running:.1f} running, {r.steps} steps", fontsize=9)
+    pale = tuple(0.3 * c + 0.7 for c in to_rgb(OWNER_COLORS[0]))
+    handles = [Patch(color=OWNER_COLORS[0], label="holds a token"),
+               Patch(color=pale, label="set aside, empty"),
+               Patch(facecolor="white", edgecolor="#999999", label="free")]
+    axes[0][-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+                       fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
+    """The pool of a recorded ``SimResult`` at its ``index``-th recorded step, ``cols`` blocks per row:
+    each slot coloured as in ``plot_pool_occupancy``, each block outlined with its owner's id."""
+    occ = result.occupancy
+    bs = result.block_size
+    owner, filled = occ.owner[index], occ.filled[index]
+    nb = len(owner) // bs
+    rows = -(-nb // cols)
+    pad = rows * cols * bs - len(owner)
+    grid_owner = _pad(owner, pad, -1).reshape(rows, cols * bs)
+    grid_filled = _pad(filled, pad, False).reshape(rows, cols * bs)
+    fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 1.5, 12.0), 0.55 * rows + 1.0)
+    ax.imshow(_occupancy_rgb(grid_owner, grid_filled), interpolation="nearest", aspect="auto",
+              extent=(0, cols * bs, rows, 0))
+    for c in range(cols + 1):
+        ax.axvline(c * bs, color="#555555", lw=0.8)
+    for r in range(rows + 1):
+        ax.axhline(r, color="#555555", lw=0.8)
+    width = cols * bs
+    for i in range(len(owner)):  # label each run of slots held by one request (a block, or a slab)
+        new_block = result.policy == "paged" and i % bs == 0
+        starts_run = owner[i] >= 0 and (i == 0 or new_block or owner[i] != owner[i - 1])
+        if starts_run:
+            ax.text(i % width + 0.3, i // width + 0.5, str(owner[i]), ha="left", va="center", fontsize=7)
+    ax.set_axis_off()
+    held = len(set(owner[owner >= 0].tolist()))
+    ax.set_title(f"{result.policy}, step {occ.steps[index]}: {held} requests hold {int((owner >= 0).sum())} "
+                 f"of {len(owner)} slots, {int(filled.sum())} with a token", fontsize=9)
+    return fig
+
+
+def _pad(a, n: int, value):
+    import numpy as np
+
+    return np.concatenate([a, np.full(n, value, dtype=a.dtype)]) if n else a
+
+
+def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
+    """``plot_pool_step`` rendered to PNG bytes and closed: the frames of the notebook-07 slider (an
+    ``ipywidgets.Image``, so no output widget has to capture a figure)."""
+    import io
+
+    fig = plot_pool_step(result, index)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,104 @@
+"""The scheduler on random workloads (Hypothesis): whatever the policy, budget, block size, batch cap,
+watermark or sliding window, it never exceeds its budget, never leaks a block, keeps the cache
+consistent, and finishes every request with exactly its output length, preempted ones included."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedlib.cache import PagedKVCache
+from pagedlib.serving import CATEGORIES, POLICIES, Request, Scheduler, simulate, write_fake_kv
+
+MAX_MODEL_LEN = 40
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 12))
+    rows = draw(st.lists(st.tuples(st.integers(0, 15), st.integers(1, 20), st.integers(1, 20)),
+                         min_size=n, max_size=n))
+    return [Request(i, a, p, o) for i, (a, p, o) in enumerate(rows)]
+
+
+@st.composite
+def configs(draw):
+    policy = draw(st.sampled_from(POLICIES))
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    watermark = draw(st.sampled_from([0.0, 0.05, 0.2])) if policy == "paged" else 0.0
+    window = draw(st.none() | st.integers(1, 24)) if policy == "paged" else None
+    need = math.ceil(MAX_MODEL_LEN / block_size)           # any request fits alone
+    budget = math.ceil((need + draw(st.integers(0, 12))) / (1 - watermark)) + 1
+    return dict(policy=policy, block_size=block_size, watermark=watermark, sliding_window=window,
+                kv_budget_blocks=budget, max_num_seqs=draw(st.integers(1, 6)))
+
+
+def check_step(sched: Scheduler, plan, cfg) -> None:
+    cache, bs = sched.cache, cfg["block_size"]
+    cache.check_invariants()
+    assert len(sched.running) <= cfg["max_num_seqs"]
+    if sched.slabs is None:
+        assert cache.num_used_blocks <= cfg["kv_budget_blocks"]
+    else:
+        spans = sorted(sched.slabs.slabs.values())
+        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))       # disjoint
+        assert sched.slabs.used_slots <= cfg["kv_budget_blocks"] * bs
+        assert all(cache.seq_lens[r.req_id] <= sched.held_slots(r) for r in sched.running)
+    for r in sched.running:
+        start = sched.window_start[r.req_id]
+        k, v = cache.gather(r.req_id)                 # K = position, V = request id
+        assert k.flatten().tolist() == list(range(start, start + cache.seq_lens[r.req_id]))
+        assert set(v.flatten().tolist()) <= {r.req_id}
+        assert sched.generated[r.req_id] <= r.output_len
+    if cfg["sliding_window"]:
+        limit = math.ceil(cfg["sliding_window"] / bs) + 1
+        assert all(len(cache.tables[r.req_id]) <= limit for r in plan.decode)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=workloads(), cfg=configs())
+def test_scheduler_invariants_step_by_step(requests, cfg):
+    extra = 0 if cfg["policy"] == "paged" else cfg["max_num_seqs"]
+    cache = PagedKVCache(cfg["kv_budget_blocks"] + extra, 1, cfg["block_size"], 1, 1)
+    options = {k: v for k, v in cfg.items() if k != "block_size"}
+    sched = Scheduler(cache, max_model_len=MAX_MODEL_LEN, **options)
+    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+    generated, final = {}, {}
+    for step in range(10_000):
+        while pending and pending[0].arrival <= step:
+            sched.add(pending.pop(0))
+        if not (pending or sched.has_unfinished):
+            break
+        plan = sched.step()
+        write_fake_kv(sched, plan)
+        check_step(sched, plan, cfg)
+        for r in plan.scheduled:
+            if sched.generated[r.req_id] == r.output_len:
+                generated[r.req_id] = sched.generated[r.req_id]
+                final[r.req_id] = sched.window_start[r.req_id] + cache.seq_lens[r.req_id]
+                sched.finish(r)
+    assert generated == {r.req_id: r.output_len for r in requests}
+    assert final == {r.req_id: r.max_kv_len for r in requests}
+    assert cache.num_free_blocks == cache.num_blocks and not (sched.slabs and sched.slabs.slabs)
+    cache.check_invariants()
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=workloads(), cfg=configs())
+def test_simulate_accounts_for_every_slot(requests, cfg):
+    budget_slots = cfg["kv_budget_blocks"] * cfg["block_size"]
+    r = simulate(requests, cfg["policy"], cfg["kv_budget_blocks"], cfg["block_size"],
+                 max_num_seqs=cfg["max_num_seqs"], watermark=cfg["watermark"],
+                 sliding_window=cfg["sliding_window"], max_model_len=MAX_MODEL_LEN)
+    assert r.leaked_blocks == 0
+    assert r.tokens_generated == sum(q.output_len for q in requests)
+    assert sorted((q.req_id, q.generated, q.final_kv_len) for q in r.requests) == \
+        sorted((q.req_id, q.output_len, q.max_kv_len) for q in requests)
+    s = r.series
+    in_use = s["token"] + s["reservation"] + s["internal"]
+    assert (in_use + s["free"] == budget_slots).all()                 # every slot is somewhere
+    assert (s["external"] + s["other"] <= s["free"]).all()
+    assert abs(sum(r.breakdown[k] for k in CATEGORIES) - 1) < 1e-9
+    assert r.preemptions == 0 or cfg["policy"] == "paged"
