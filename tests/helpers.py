@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedlib import PagedKVCache
+from pagedlib.cache import PagedKVCache
 
 
 def snapshot(c: PagedKVCache) -> tuple:
