@@ -6,11 +6,8 @@ The layout is the article's (notebook 02)::
 
 Token position ``p`` of sequence ``s`` lives in physical block ``tables[s][p // block_size]`` at offset
 ``p % block_size``, for every layer at once. Free blocks sit on a stack (a Python list): ``pop()`` takes the
-top (the *last* element), ``append()`` gives a block back; both O(1), which is why a stack.
-
-The file reads as the story: the free stack and the two methods that move blocks (``_take_blocks``,
-``_release_blocks``), then ``add_sequence`` / ``append_tokens`` / ``free_sequence``, then the read side
-(``slot``, ``block_table``, ``gather``), and last the argument checks, ``check_invariants`` and display.
+top (the *last* element), ``append()`` gives a block back; both O(1), which is why a stack. The file reads
+as the story: free stack -> add / append / free -> slot / block_table / gather -> checks and display.
 """
 
 from __future__ import annotations
@@ -136,8 +133,7 @@ class PagedKVCache:
                  for i, b in enumerate([] if free_order is None else free_order)]
         if len(set(order)) != len(order):
             raise ValueError(f"free_order must not repeat a block id, got {order}")
-        listed = set(order)
-        order += [b for b in range(self.num_blocks) if b not in listed]
+        order += sorted(set(range(self.num_blocks)) - set(order))
         return order[::-1]  # the stack's top is its last element: reverse so order[0] is popped first
 
     # ---------------------------------------------------------------------------------------------
@@ -336,20 +332,17 @@ class PagedKVCache:
         return self.num_blocks - len(self.free)
 
     @property
-    def num_tokens(self) -> int:
-        """Token slots holding a token, over all sequences."""
+    def num_tokens(self) -> int:  # token slots holding a token, over all sequences
         return sum(self.seq_lens.values())
 
     @property
-    def num_allocated_slots(self) -> int:
-        """Token slots in allocated blocks (``used blocks * block_size``)."""
+    def num_allocated_slots(self) -> int:  # token slots in allocated blocks
         return sum(len(t) for t in self.tables.values()) * self.block_size
 
     @property
     def utilization(self) -> float:
-        """Token slots used / token slots allocated (1.0 when nothing is allocated: nothing is wasted).
-
-        ``1 - utilization`` is the internal fragmentation: the unwritten tails of last blocks."""
+        """Token slots used / allocated (1.0 when nothing is allocated); ``1 - utilization`` is the internal
+        fragmentation: the unwritten tails of last blocks."""
         allocated = self.num_allocated_slots
         return self.num_tokens / allocated if allocated else 1.0
 
@@ -418,7 +411,8 @@ class PagedKVCache:
         if len(set(self.free)) != len(self.free):
             raise InvariantError("1: a block appears twice on the free stack")
         if on_both := sorted(held.keys() & set(self.free)):
-            raise InvariantError(f"2: block {on_both[0]} is held by {held[on_both[0]]!r} and also free")
+            b = on_both[0]
+            raise InvariantError(f"2: block {b} is held by {held[b]!r} and also on the free stack")
         if lost := sorted(set(range(self.num_blocks)) - held.keys() - set(self.free)):
             raise InvariantError(f"1: blocks {lost} are neither free nor held (leaked)")
         for s, n in self.seq_lens.items():
@@ -465,12 +459,29 @@ class PagedKVCache:
             lines.append(f"  ... and {len(self.tables) - 8} more sequences")
         return "\n".join(lines)
 
+    @_locked
+    def state_diff(self, before: PagedKVCache) -> list[str]:
+        """Names of the attributes in which this cache differs from ``before`` (a ``copy.deepcopy`` taken
+        earlier), pools compared bit for bit with NaN equal to NaN: ``[]`` means a failed call changed
+        nothing, which is how the tests and notebook 02 check atomicity."""
+        theirs = before.__getstate__()
+        return [name for name, mine in self.__getstate__().items() if not _same(mine, theirs[name])]
+
     def __getstate__(self) -> dict:  # copy.deepcopy and pickle: everything but the lock
         return {k: v for k, v in self.__dict__.items() if k != "_lock"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+
+
+def _same(a: object, b: object) -> bool:
+    """``a == b``; for tensors: same dtype, shape and values, NaN equal to NaN."""
+    if not isinstance(a, torch.Tensor):
+        return a == b
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _check_id(b: object, num_blocks: int, where: str) -> None:

@@ -573,3 +573,12 @@ def test_threads_never_see_a_half_done_call():
         sys.setswitchinterval(old)
     assert errors == []
     c.check_invariants()
+
+
+def test_state_diff_names_what_changed():
+    c = make(6, fill=float("nan"))
+    c.add_sequence(0)
+    before = snapshot(c)
+    assert c.state_diff(before) == []  # NaN slots compare equal to themselves
+    c.append_tokens(0, *kv(5))
+    assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens"}
