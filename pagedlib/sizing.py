@@ -125,7 +125,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 def paged_kv_bytes(spec: ModelSpec, seq_lens: Iterable[int], block_size: int, dtype_bytes: int = 2) -> int:
     """Bytes held by a paged cache for sequences of the given lengths (whole blocks per sequence)."""
-    return kv_bytes_per_token(spec, dtype_bytes) * sum(_block_slots(_seq_lens(seq_lens), block_size).tolist())
+    slots = _block_slots(_seq_lens(seq_lens), block_size)  # ceil(n / block_size) * block_size for each n
+    return kv_bytes_per_token(spec, dtype_bytes) * sum(slots.tolist())
 
 
 def paged_wasted_slots(seq_len: int, block_size: int) -> int:
