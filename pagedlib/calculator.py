@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from pagedlib.checks import as_int
 from pagedlib.sizing import (
     DTYPE_BYTES,
     PRESETS,
@@ -21,8 +22,15 @@ from pagedlib.sizing import (
     max_sequences,
     paged_kv_bytes,
     paged_utilization,
+    synthetic_seq_len_chunks,
     synthetic_seq_lens,
 )
+
+#: The calculator's ranges (the widget's controls offer the same): up to 1M-token reservations and 4,096
+#: requests, so "requests that fit" (up to ~9 million of them) is computed exactly in about a second.
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_SEQS_LIMIT = 4096
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,8 @@ class MemoryReport:
             ("utilization, contiguous / paged", f"{self.contiguous_util:.1%} / {self.paged_util:.1%}"),
             ("block-table entries (int32)",
              f"{self.table_entries:,} ({format_bytes(4 * self.table_entries)})"),
-            ("requests that fit in the contiguous budget, paged", f"{self.paged_fit:,} (vs {self.num_seqs})"),
+            (f"requests that fit in {format_bytes(self.contiguous_bytes)}, paged vs reserved",
+             f"{self.paged_fit:,} vs {self.num_seqs} ({self.paged_fit / self.num_seqs:.1f}x)"),
         ]
 
     def text(self) -> str:
@@ -79,23 +88,20 @@ def memory_report(
 ) -> MemoryReport:
     """Size a cache for ``num_seqs`` synthetic requests (lengths from
     :func:`pagedlib.sizing.synthetic_seq_lens`, clipped to ``max_tokens``) under both schemes.
+
+    ``paged_fit`` answers: in the bytes that reserving ``max_tokens`` for each of the ``num_seqs``
+    requests takes, how many requests of the same seeded stream fit when each holds only whole blocks?
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    max_tokens = as_int("max_tokens", max_tokens, minimum=1, maximum=MAX_TOKENS_LIMIT)
+    num_seqs = as_int("num_seqs", num_seqs, minimum=1, maximum=MAX_SEQS_LIMIT)
+    block_size = as_int("block_size", block_size, minimum=1, maximum=MAX_TOKENS_LIMIT)
     spec, nbytes = PRESETS[preset], DTYPE_BYTES[dtype]
     lens = synthetic_seq_lens(num_seqs, max_tokens=max_tokens, seed=seed)
     contiguous = contiguous_kv_bytes(spec, max_tokens, num_seqs, nbytes)
-    # how many requests of the same kind paging admits in the contiguous scheme's budget: draw a longer
-    # stream of requests from the same seed until the budget runs out before the stream does
-    stream = 16 * num_seqs
-    while True:
-        more = synthetic_seq_lens(stream, max_tokens=max_tokens, seed=seed, as_array=True)
-        fit = max_sequences(spec, contiguous, more, block_size=block_size, dtype_bytes=nbytes)
-        if fit < stream:
-            break
-        stream *= 4
     return MemoryReport(
         spec=spec, dtype=dtype, max_tokens=max_tokens, block_size=block_size, num_seqs=num_seqs,
         bytes_per_token=kv_bytes_per_token(spec, nbytes),
@@ -105,9 +111,22 @@ def memory_report(
         contiguous_util=contiguous_utilization(lens, max_tokens),
         paged_util=paged_utilization(lens, block_size),
         table_entries=block_table_entries(lens, block_size),
-        paged_fit=fit,
+        paged_fit=_paged_fit(spec, contiguous, max_tokens, block_size, nbytes, seed),
         seed=seed,
     )
+
+
+def _paged_fit(spec: ModelSpec, budget: int, max_tokens: int, block_size: int, nbytes: int, seed: int) -> int:
+    """Requests of the seeded stream that paging admits in ``budget`` bytes, read 65,536 at a time so
+    that memory stays small however many fit."""
+    fit = 0
+    for lens in synthetic_seq_len_chunks(1 << 16, max_tokens=max_tokens, seed=seed):
+        n = max_sequences(spec, budget, lens, block_size=block_size, dtype_bytes=nbytes)
+        fit += n
+        if n < len(lens):
+            return fit
+        budget -= paged_kv_bytes(spec, lens, block_size, nbytes)
+    raise AssertionError("unreachable: the stream is endless")
 
 
 class MemoryCalculator:
@@ -118,15 +137,16 @@ class MemoryCalculator:
 
         d = {"preset": "llama-3-8b", "dtype": "fp16", "max_tokens": 4096, "block_size": 16, "num_seqs": 256}
         d.update(defaults)
+        memory_report(**d)  # a ValueError naming the setting, instead of a control that silently clamps it
         style = {"description_width": "110px"}
         self.preset = w.Dropdown(options=list(PRESETS), value=d["preset"], description="model", style=style)
         self.dtype = w.Dropdown(options=list(DTYPE_BYTES), value=d["dtype"], description="dtype", style=style)
-        self.max_tokens = w.BoundedIntText(value=d["max_tokens"], min=1, max=1 << 20,
+        self.max_tokens = w.BoundedIntText(value=d["max_tokens"], min=1, max=MAX_TOKENS_LIMIT,
                                            description="max tokens", style=style)
-        self.block_size = w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=d["block_size"],
-                                     description="block size", style=style)
-        self.num_seqs = w.BoundedIntText(value=d["num_seqs"], min=1, max=4096, description="sequences",
-                                         style=style)
+        self.block_size = w.Dropdown(options=sorted({*BLOCK_SIZES, int(d["block_size"])}),
+                                     value=d["block_size"], description="block size", style=style)
+        self.num_seqs = w.BoundedIntText(value=d["num_seqs"], min=1, max=MAX_SEQS_LIMIT,
+                                         description="sequences", style=style)
         self.output = w.HTML()
         controls = [self.preset, self.dtype, self.max_tokens, self.block_size, self.num_seqs]
         for c in controls:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from pagedlib.checks import ceil_div
 from pagedlib.colors import FREE_COLOR, OWNER_COLORS, owner_color
+from pagedlib.sizing import block_table_entries, blocks_needed, paged_utilization
 
 
 def _new_figure(width: float = 7.0, height: float = 3.5) -> tuple[Figure, plt.Axes]:
@@ -45,7 +47,7 @@ def plot_reserved_vs_used(
     lens = np.sort(np.asarray(seq_lens))
     gib = bytes_per_token / 2**30
     used = lens * gib
-    paged = np.ceil(lens / block_size) * block_size * gib
+    paged = np.array([blocks_needed(n, block_size) * block_size for n in lens]) * gib
     reserved = np.full_like(used, max_tokens * gib)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 3.6), layout="constrained",
                                       gridspec_kw={"width_ratios": [2, 1]})
@@ -69,14 +71,8 @@ def plot_reserved_vs_used(
 
 def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Figure:
     """Wasted tail slots (% of allocated) and block-table entries per request, vs block size."""
-    import numpy as np
-
-    lens = np.asarray(seq_lens)
-    waste, entries = [], []
-    for b in block_sizes:
-        blocks = np.ceil(lens / b)
-        waste.append(100 * (blocks * b - lens).sum() / (blocks * b).sum())
-        entries.append(blocks.mean())
+    waste = [100 * (1 - paged_utilization(seq_lens, b)) for b in block_sizes]
+    entries = [block_table_entries(seq_lens, b) / len(seq_lens) for b in block_sizes]
     fig, ax = _new_figure(7.0, 3.6)
     ax.plot(block_sizes, waste, "o-", color=OWNER_COLORS[3], label="wasted tail slots")
     ax.set_xscale("log", base=2)
@@ -106,7 +102,7 @@ def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
 
     nb, bs = cache.num_blocks, cache.block_size
     cols = cols or min(nb, 16)
-    rows = -(-nb // cols)
+    rows = ceil_div(nb, cols)
     fig, ax = _new_figure(min(0.62 * cols + 2.6, 13.0), 0.62 * rows + 1.0)
     owners = cache.block_owners()
     order = list(cache.tables)

@@ -13,14 +13,19 @@ All functions are pure integer arithmetic: they return exact byte and slot count
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from pagedlib.checks import as_int, ceil_div
+
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_SEQ_LEN",
     "PRESETS",
     "ModelSpec",
     "block_table_entries",
@@ -34,20 +39,12 @@ __all__ = [
     "paged_kv_bytes",
     "paged_utilization",
     "paged_wasted_slots",
+    "synthetic_seq_len_chunks",
     "synthetic_seq_lens",
 ]
 
 #: Bytes per element of the dtypes a KV cache is stored in.
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-
-
-def _check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """Return ``value`` if it is an integer >= ``minimum``; otherwise raise ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,8 @@ class ModelSpec:
     num_q_heads: int
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads"):
-            _check_int(field, getattr(self, field))
+        for field in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads"):  # numpy ints -> int
+            object.__setattr__(self, field, as_int(field, getattr(self, field), minimum=1))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -108,36 +105,28 @@ def kv_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2) -> int:
     ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``: the K tensor of one layer holds
     ``[num_kv_heads, head_dim]`` per token, V the same, and every layer has its own pair.
     """
-    dtype_bytes = _check_int("dtype_bytes", dtype_bytes)
+    dtype_bytes = as_int("dtype_bytes", dtype_bytes, minimum=1)
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes
 
 
 def contiguous_kv_bytes(spec: ModelSpec, max_tokens: int, num_seqs: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes reserved when each of ``num_seqs`` sequences pre-allocates ``max_tokens`` slots."""
-    max_tokens = _check_int("max_tokens", max_tokens)
-    num_seqs = _check_int("num_seqs", num_seqs)
+    max_tokens = as_int("max_tokens", max_tokens, minimum=1)
+    num_seqs = as_int("num_seqs", num_seqs, minimum=1)
     return kv_bytes_per_token(spec, dtype_bytes) * max_tokens * num_seqs
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks of ``block_size`` slots that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-    num_tokens = _check_int("num_tokens", num_tokens, minimum=0)
-    block_size = _check_int("block_size", block_size)
-    return -(-num_tokens // block_size)
-
-
-def _seq_lens(seq_lens: Iterable[int]) -> list[int]:
-    lens = list(seq_lens)
-    for i, n in enumerate(lens):
-        _check_int(f"seq_lens[{i}]", n, minimum=0)
-    return [int(n) for n in lens]
+    num_tokens = as_int("num_tokens", num_tokens, minimum=0)
+    block_size = as_int("block_size", block_size, minimum=1)
+    return ceil_div(num_tokens, block_size)
 
 
 def paged_kv_bytes(spec: ModelSpec, seq_lens: Iterable[int], block_size: int, dtype_bytes: int = 2) -> int:
     """Bytes held by a paged cache for sequences of the given lengths (whole blocks per sequence)."""
-    block_size = _check_int("block_size", block_size)
-    slots = sum(blocks_needed(n, block_size) * block_size for n in _seq_lens(seq_lens))
-    return kv_bytes_per_token(spec, dtype_bytes) * slots
+    slots = _block_slots(_seq_lens(seq_lens), block_size)  # ceil(n / block_size) * block_size for each n
+    return kv_bytes_per_token(spec, dtype_bytes) * sum(slots.tolist())
 
 
 def paged_wasted_slots(seq_len: int, block_size: int) -> int:
@@ -147,8 +136,8 @@ def paged_wasted_slots(seq_len: int, block_size: int) -> int:
 
 def contiguous_wasted_slots(seq_len: int, max_tokens: int) -> int:
     """Reserved but unused slots of a sequence that pre-allocated ``max_tokens``."""
-    seq_len = _check_int("seq_len", seq_len, minimum=0)
-    max_tokens = _check_int("max_tokens", max_tokens)
+    seq_len = as_int("seq_len", seq_len, minimum=0)
+    max_tokens = as_int("max_tokens", max_tokens, minimum=1)
     if seq_len > max_tokens:
         raise ValueError(f"seq_len ({seq_len}) exceeds max_tokens ({max_tokens})")
     return max_tokens - seq_len
@@ -156,29 +145,21 @@ def contiguous_wasted_slots(seq_len: int, max_tokens: int) -> int:
 
 def block_table_entries(seq_lens: Iterable[int], block_size: int) -> int:
     """Total block-table entries (one int32 each) for the given sequences."""
-    block_size = _check_int("block_size", block_size)
-    return sum(blocks_needed(n, block_size) for n in _seq_lens(seq_lens))
-
-
-def _utilization(used: int, reserved: int) -> float:
-    return used / reserved if reserved else 1.0
+    block_size = as_int("block_size", block_size, minimum=1)
+    return sum(_block_slots(_seq_lens(seq_lens), block_size).tolist()) // block_size
 
 
 def contiguous_utilization(seq_lens: Iterable[int], max_tokens: int) -> float:
     """Fraction of reserved slots that hold a token when every sequence reserves ``max_tokens``."""
-    max_tokens = _check_int("max_tokens", max_tokens)
-    lens = _seq_lens(seq_lens)
-    for n in lens:
-        contiguous_wasted_slots(n, max_tokens)  # validates n <= max_tokens
-    return _utilization(sum(lens), len(lens) * max_tokens)
+    lens = _reserved_lens(seq_lens, max_tokens)
+    return sum(lens.tolist()) / (len(lens) * max_tokens) if len(lens) else 1.0
 
 
 def paged_utilization(seq_lens: Iterable[int], block_size: int) -> float:
     """Fraction of allocated slots that hold a token when sequences hold whole blocks."""
-    block_size = _check_int("block_size", block_size)
     lens = _seq_lens(seq_lens)
-    allocated = sum(blocks_needed(n, block_size) * block_size for n in lens)
-    return _utilization(sum(lens), allocated)
+    allocated = sum(_block_slots(lens, block_size).tolist())
+    return sum(lens.tolist()) / allocated if allocated else 1.0
 
 
 def max_sequences(
@@ -189,28 +170,51 @@ def max_sequences(
 
     Give ``max_tokens`` for contiguous reservation or ``block_size`` for paging (exactly one). Each
     sequence costs its slots (``max_tokens``, or its whole blocks) times ``kv_bytes_per_token``; the
-    answer is the longest prefix whose running total stays within the budget.
+    answer is the longest prefix whose running total stays within the budget. Exact for any size.
     """
-    budget_bytes = _check_int("budget_bytes", budget_bytes, minimum=0)
+    budget_bytes = as_int("budget_bytes", budget_bytes, minimum=0)
     if (max_tokens is None) == (block_size is None):
         raise ValueError("give exactly one of max_tokens (contiguous) or block_size (paged)")
-    per_token = kv_bytes_per_token(spec, dtype_bytes)
-    if isinstance(seq_lens, np.ndarray) and seq_lens.dtype.kind in "iu":  # validated in one go
-        if seq_lens.size and seq_lens.min() < 0:
-            raise ValueError(f"seq_lens must be >= 0, got {seq_lens.min()}")
-        lens = seq_lens.astype(np.int64)
-    else:
-        lens = np.asarray(_seq_lens(seq_lens), dtype=np.int64)
+    limit = budget_bytes // kv_bytes_per_token(spec, dtype_bytes)  # a prefix fits iff its slots <= limit
     if max_tokens is not None:
-        max_tokens = _check_int("max_tokens", max_tokens)
-        if lens.size and lens.max() > max_tokens:
-            raise ValueError(f"seq_lens holds {lens.max()} tokens, more than max_tokens ({max_tokens})")
-        slots = np.full_like(lens, max_tokens)  # the reservation ignores the actual length
+        slots = np.full_like(_reserved_lens(seq_lens, max_tokens), max_tokens)  # the reservation ignores n
     else:
-        block_size = _check_int("block_size", block_size)
-        slots = -(-lens // block_size) * block_size  # whole blocks
-    running = np.cumsum(slots * per_token)
-    return int(np.searchsorted(running, budget_bytes, side="right"))
+        slots = _block_slots(_seq_lens(seq_lens), block_size)
+    if limit >= 2**62:  # beyond int64 headroom: exact Python ints
+        return bisect.bisect_right(list(itertools.accumulate(slots.tolist())), limit)
+    total = np.cumsum(np.minimum(slots, limit + 1))  # capped: cannot wrap before it passes the limit
+    over = total > limit
+    return int(over.argmax()) if over.any() else len(total)
+
+
+#: Largest sequence length the sizing functions take (4.6e18 tokens): block arithmetic stays in int64.
+MAX_SEQ_LEN = 2**62
+
+
+def _seq_lens(seq_lens: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``seq_lens`` as an int64 array, each length checked to be an int in ``[0, MAX_SEQ_LEN]``."""
+    if isinstance(seq_lens, np.ndarray) and seq_lens.dtype.kind in "iu" and seq_lens.ndim == 1:
+        bad = np.flatnonzero((seq_lens < 0) | (seq_lens > MAX_SEQ_LEN))
+        if bad.size:
+            raise ValueError(f"seq_lens[{bad[0]}] must be in [0, {MAX_SEQ_LEN}], got {seq_lens[bad[0]]}")
+        return seq_lens.astype(np.int64)
+    return np.array([as_int(f"seq_lens[{i}]", n, minimum=0, maximum=MAX_SEQ_LEN)
+                     for i, n in enumerate(seq_lens)], dtype=np.int64)
+
+
+def _block_slots(lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Slots each sequence holds in whole blocks: ``ceil(n / block_size) * block_size`` (int64)."""
+    block_size = as_int("block_size", block_size, minimum=1, maximum=MAX_SEQ_LEN)
+    return -(-lens // block_size) * block_size
+
+
+def _reserved_lens(seq_lens: Iterable[int], max_tokens: int) -> np.ndarray:
+    """``seq_lens`` checked against a reservation of ``max_tokens`` slots each."""
+    max_tokens = as_int("max_tokens", max_tokens, minimum=1, maximum=MAX_SEQ_LEN)
+    lens = _seq_lens(seq_lens)
+    if len(lens) and lens.max() > max_tokens:
+        raise ValueError(f"seq_lens holds {lens.max()} tokens, which exceeds max_tokens ({max_tokens})")
+    return lens
 
 
 def synthetic_seq_lens(
@@ -221,25 +225,42 @@ def synthetic_seq_lens(
 
     Drawn from a log-normal distribution with the given ``median`` and log-space ``sigma``, rounded,
     and clipped to ``[1, max_tokens]``. Log-normal because serving traces look like it: lengths are
-    positive and right-skewed, most requests are a few hundred tokens and a few run to the limit
-    (the chat traces used in the vLLM paper have means of a few hundred tokens and long tails).
+    positive and right-skewed, most requests are short and a few run to the limit. (The vLLM paper's
+    ShareGPT workload averages ~161 input and ~338 output tokens, its Alpaca workload ~19 and ~58.)
     The first ``n`` lengths do not depend on ``num_seqs``; ``as_array`` returns an int64 array.
     """
-    num_seqs = _check_int("num_seqs", num_seqs)
-    max_tokens = _check_int("max_tokens", max_tokens)
-    median = _check_int("median", median)
-    if not (isinstance(sigma, (int, float)) and sigma > 0):
-        raise ValueError(f"sigma must be a positive number, got {sigma!r}")
-    rng = np.random.default_rng(seed)
-    raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=num_seqs)
-    lens = np.clip(np.rint(raw), 1, max_tokens).astype(np.int64)
+    num_seqs = as_int("num_seqs", num_seqs, minimum=1)
+    stream = synthetic_seq_len_chunks(num_seqs, max_tokens=max_tokens, median=median, sigma=sigma, seed=seed)
+    lens = next(stream)
     return lens if as_array else lens.tolist()
 
 
+def synthetic_seq_len_chunks(
+    chunk: int, *, max_tokens: int = 4096, median: int = 300, sigma: float = 1.0, seed: int = 0,
+) -> Iterator[np.ndarray]:
+    """The same seeded stream as ``synthetic_seq_lens``, endlessly, ``chunk`` lengths at a time (int64
+    arrays): the stream's first ``n`` values are ``synthetic_seq_lens(n)`` whatever the chunking."""
+    chunk = as_int("chunk", chunk, minimum=1)
+    max_tokens = as_int("max_tokens", max_tokens, minimum=1)
+    median = as_int("median", median, minimum=1)
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
+        raise ValueError(f"sigma must be a positive number, got {sigma!r}")
+    rng = np.random.default_rng(as_int("seed", seed, minimum=0))
+    while True:
+        raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=chunk)
+        yield np.clip(np.rint(raw), 1, max_tokens).astype(np.int64)
+
+
 def format_bytes(n: int | float) -> str:
-    """Binary units, three significant digits: ``format_bytes(2**29) == '512 MiB'``, ``'1.25 GiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if float(n).is_integer() or abs(n) >= 100 else f"{n:.3g} {unit}"
-        n /= 1024
+    """Binary units, three significant digits: ``format_bytes(2**29) == '512 MiB'``, ``'1.25 GiB'``.
+
+    The unit is chosen after rounding, so 1,048,575 bytes print as ``'1 MiB'``, never ``'1024 KiB'``."""
+    value = float(n) if isinstance(n, (int, float, np.number)) and not isinstance(n, bool) else math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"n must be a finite number of bytes, got {n!r}")
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        text = f"{value:.0f}" if value.is_integer() or abs(value) >= 100 else f"{value:.3g}"
+        if abs(float(text)) < 1024 or unit == "PiB":
+            return f"{text} {unit}"
+        value /= 1024
     raise AssertionError("unreachable")

@@ -3,23 +3,17 @@
 
 from __future__ import annotations
 
-import torch
+import copy
 
 from pagedlib.cache import PagedKVCache
 
 
-def snapshot(c: PagedKVCache) -> tuple:
-    """Everything a failed call must leave untouched: tables, lengths, free stack and both pools."""
-    return ({s: list(t) for s, t in c.tables.items()}, dict(c.seq_lens), list(c.free),
-            c.k.clone(), c.v.clone())
+def snapshot(c: PagedKVCache) -> PagedKVCache:
+    """Everything a failed call must leave untouched: a deep copy of the cache (bookkeeping and pools)."""
+    return copy.deepcopy(c)
 
 
-def assert_unchanged(c: PagedKVCache, snap: tuple) -> None:
+def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     """``c`` is bit-for-bit what ``snapshot`` saw (NaN slots included), and still consistent."""
-    tables, lens, free, k, v = snap
-    assert c.tables == tables
-    assert c.seq_lens == lens
-    assert c.free == free
-    torch.testing.assert_close(c.k, k, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(c.v, v, rtol=0, atol=0, equal_nan=True)
+    assert c.state_diff(snap) == [], f"changed: {c.state_diff(snap)}"
     c.check_invariants()

@@ -3,12 +3,18 @@ state (tables, lengths, free stack, both pools) exactly as it was."""
 
 from __future__ import annotations
 
-import math
+import pickle
+import sys
+import threading
+import weakref
 
+import numpy as np
 import pytest
 import torch
+from helpers import assert_unchanged, snapshot
 
 from pagedlib.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
+from pagedlib.checks import ceil_div
 
 L, BS, H, D = 2, 4, 2, 3
 
@@ -22,21 +28,6 @@ def kv(n: int | None = None, seed: int = 0, dtype=torch.float32) -> tuple[torch.
     g = torch.Generator().manual_seed(seed)
     shape = (L, H, D) if n is None else (L, n, H, D)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
-
-
-def snapshot(c: PagedKVCache):
-    tables = {s: list(t) for s, t in c.tables.items()}
-    return tables, dict(c.seq_lens), list(c.free), c.k.clone(), c.v.clone()
-
-
-def assert_unchanged(c: PagedKVCache, snap) -> None:
-    tables, lens, free, k, v = snap
-    assert c.tables == tables
-    assert c.seq_lens == lens
-    assert c.free == free
-    torch.testing.assert_close(c.k, k, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(c.v, v, rtol=0, atol=0, equal_nan=True)
-    c.check_invariants()
 
 
 # --- construction ---------------------------------------------------------------------------------
@@ -125,7 +116,7 @@ def test_article_decode_trace():
     k, v = kv(9)
     assert c.append_tokens(0, k[:, :6], v[:, :6]) == [5, 2]
     assert c.append_token(0, k[:, 6], v[:, 6]) == Slot(2, 2)
-    assert (6 // BS, 6 % BS) == (1, 2) and c.tables[0] == [5, 2] and c.seq_lens[0] == 7
+    assert c.tables[0] == [5, 2] and c.seq_lens[0] == 7
     assert c.append_token(0, k[:, 7], v[:, 7]) == Slot(2, 3)
     assert c.tables[0] == [5, 2]
     assert c.append_token(0, k[:, 8], v[:, 8]) == Slot(9, 0)
@@ -245,7 +236,7 @@ def test_slot_out_of_range():
     c.add_sequence(0)
     c.append_tokens(0, *kv(3))
     for pos in (3, -1):
-        with pytest.raises(IndexError, match="position"):
+        with pytest.raises(IndexError, match="pos must be in"):
             c.slot(0, pos)
 
 
@@ -334,7 +325,7 @@ def test_interleaved_sequences_leak_nothing():
             c.free_sequence(victim)
             del written[victim]
         c.check_invariants()
-        used = sum(math.ceil(n / BS) for n in c.seq_lens.values())
+        used = sum(ceil_div(n, BS) for n in c.seq_lens.values())
         assert c.num_free_blocks == 16 - used
         for t, toks in written.items():
             if toks:
@@ -380,7 +371,8 @@ ERRORS = {
     "tokens unknown id": (lambda c: c.append_tokens(7, *kv(2)), KeyError, ["7"]),
     "tokens layers": (lambda c: c.append_tokens("a", *torch.zeros(2, L + 1, 2, H, D)),
                       ValueError, ["k", f"[{L}, n, {H}, {D}]"]),
-    "tokens n mismatch": (lambda c: c.append_tokens("a", kv(2)[0], kv(3)[1]), ValueError, ["v", "n=2"]),
+    "tokens n mismatch": (lambda c: c.append_tokens("a", kv(2)[0], kv(3)[1]), ValueError,
+                          ["v", f"[{L}, 2, {H}, {D}]", f"[{L}, 3, {H}, {D}]"]),
     "tokens 3-d": (lambda c: c.append_tokens("a", tok[0], tok[1]), ValueError,
                    ["k", "[num_layers, n, kv_heads"]),
     "tokens dtype": (lambda c: c.append_tokens("a", kv(2)[0], kv(2)[1].half()), ValueError, ["v", "float16"]),
@@ -397,6 +389,20 @@ ERRORS = {
                             ["2 needed", "1 free"]),
     "add existing id": (lambda c: c.add_sequence("a"), ValueError, ["'a'", "already exists"]),
     "add unhashable id": (lambda c: c.add_sequence(["a"]), TypeError, []),
+    "add None id": (lambda c: c.add_sequence(None), ValueError, ["seq_id", "None"]),
+    "batch ids in a set": (lambda c: c.append_batch({"a", "e"}, *kv(2)), ValueError, ["seq_ids", "set"]),
+    "batch ids in a str": (lambda c: c.append_batch("ae", *kv(2)), ValueError, ["seq_ids", "str"]),
+    "tokens sparse v": (lambda c: c.append_tokens("a", kv(2)[0], kv(2)[1].to_sparse()), ValueError,
+                        ["v", "dense", "sparse"]),
+    "tokens v is a view of the pool": (lambda c: c.append_tokens("a", kv(2)[0], c.v[0, :, :2]), ValueError,
+                                       ["v", "view of the cache"]),
+    "token k is a view of the pool": (lambda c: c.append_token("a", c.k[1, :, 0], tok[1]), ValueError,
+                                      ["k_vec", "view of the cache"]),
+    "batch v is a view of the pool": (lambda c: c.append_batch(["e"], kv(1)[0], c.v[2, :, :1]), ValueError,
+                                      ["v", "view of the cache"]),
+    "slot float pos": (lambda c: c.slot("a", 1.0), ValueError, ["pos", "1.0"]),
+    "block_table float width": (lambda c: c.block_table(["a"], width=3.5), ValueError, ["width", "3.5"]),
+    "layer float": (lambda c: c.layer(1.0), ValueError, ["l must be an int"]),
     "free unknown id": (lambda c: c.free_sequence("b"), KeyError, ["'b'"]),
     "gather unknown id": (lambda c: c.gather(3), KeyError, ["3"]),
     "slot unknown id": (lambda c: c.slot(3, 0), KeyError, ["3"]),
@@ -464,3 +470,115 @@ def test_read_side_takes_any_iterable_of_ids_and_tensors():
     assert cache.block_table(torch.tensor([1])).tolist() == [[2]]
     with pytest.raises(KeyError, match="unknown sequence id 5"):
         cache.seq_lens_tensor(iter([0, 5]))
+
+
+# --- hostile input (each test fails on a version without the check it names) ------------------------
+
+
+def test_constructor_names_the_bad_argument_before_allocating():
+    for kwargs, name in [({"dtype": torch.float8_e4m3fn}, "dtype"), ({"dtype": torch.int32}, "dtype"),
+                         ({"dtype": torch.float16, "fill": 1e10}, "fill"), ({"fill": "x"}, "fill"),
+                         ({"device": "no-such-device"}, "device")]:
+        with pytest.raises(ValueError, match=name):
+            make(4, **kwargs)
+    with pytest.raises(ValueError, match=r"num_blocks=1000000000 asks for 131,072,000,000,000 bytes"):
+        PagedKVCache(10**9, 1, 16, 8, 128)  # 131 TB: refused before torch is asked for it
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCache(2**31, 1, 1, 1, 1)  # block ids must fit the int32 block tables
+    c = PagedKVCache(np.int64(4), np.int32(L), BS, H, D, free_order=[np.int64(1)], fill=float("inf"))
+    assert c.num_blocks == 4 and type(c.num_blocks) is int and c.free[-1] == 1
+    assert make(2, dtype=torch.float16, fill=float("nan")).k.isnan().all()
+
+
+def test_writes_never_record_history_nor_keep_inputs_alive():
+    c = make()
+    for s in range(2):
+        c.add_sequence(s)
+    k, v = (t.requires_grad_() for t in kv(3))
+    k1, v1 = (t.requires_grad_() for t in kv(2, seed=1))
+    c.append_tokens(0, k, v)
+    c.append_token(1, k1[:, 0], v1[:, 0])
+    c.append_batch([0, 1], k1, v1)
+    assert not c.k.requires_grad and not c.v.requires_grad and c.k.grad_fn is None
+    refs = [weakref.ref(t) for t in (k, v, k1, v1)]
+    del k, v, k1, v1
+    assert all(r() is None for r in refs), "the cache keeps the appended tensors alive"
+    assert not c.gather(0)[0].requires_grad
+
+
+def test_errors_survive_pickle():
+    for e in (OutOfBlocksError(3, 1, "a prompt"), UnknownSequenceError("x", ["a", "b"]),
+              InvariantError("1: block 3 is lost")):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.args == e.args
+    back = pickle.loads(pickle.dumps(OutOfBlocksError(3, 1, "a prompt")))
+    assert (back.needed, back.free, back.what) == (3, 1, "a prompt")
+    back = pickle.loads(pickle.dumps(UnknownSequenceError("x", ["a", "b"])))
+    assert back.seq_id == "x" and str(back) == "unknown sequence id 'x' (live sequences: ['a', 'b'])"
+
+
+def test_a_cache_pickles_and_deep_copies():
+    c = make(6)
+    c.add_sequence(0)
+    c.append_tokens(0, *kv(5))
+    for copy in (pickle.loads(pickle.dumps(c)), __import__("copy").deepcopy(c)):
+        assert copy.tables == c.tables and torch.equal(copy.gather(0)[0], c.gather(0)[0])
+        copy.append_token(0, *kv())  # the copy has a lock of its own
+        assert c.seq_lens[0] == 5
+
+
+def test_threads_never_see_a_half_done_call():
+    """Two writers (batched decode steps and per-token appends) and a reader calling check_invariants.
+    The switch interval is shrunk so that threads are interrupted inside methods as often as possible."""
+    c = make(64)
+    for s in range(8):
+        c.add_sequence(s)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def loop(body) -> None:
+        try:
+            while not stop.is_set():
+                body()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def decode_and_free() -> None:
+        for _ in range(5):
+            c.append_batch([0, 1, 2, 3], *kv(4))
+        for s in range(4):
+            c.free_sequence(s)
+            c.add_sequence(s)
+
+    def per_token() -> None:
+        for s in range(4, 8):
+            c.append_token(s, *kv())
+        if c.seq_lens[7] > 3 * BS:
+            for s in range(4, 8):
+                c.free_sequence(s)
+                c.add_sequence(s)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    bodies = (decode_and_free, per_token, c.check_invariants)
+    threads = [threading.Thread(target=loop, args=(f,)) for f in bodies]
+    try:
+        for t in threads:
+            t.start()
+        stop.wait(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(old)
+    assert errors == []
+    c.check_invariants()
+
+
+def test_state_diff_names_what_changed():
+    c = make(6, fill=float("nan"))
+    c.add_sequence(0)
+    before = snapshot(c)
+    assert c.state_diff(before) == []  # NaN slots compare equal to themselves
+    c.append_tokens(0, *kv(5))
+    assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens"}

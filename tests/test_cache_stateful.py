@@ -5,14 +5,14 @@ written for every live sequence; every call that fails leaves the whole state (p
 
 from __future__ import annotations
 
-import math
-
 import torch
+from helpers import assert_unchanged, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedlib.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.checks import ceil_div
 
 L, H, D = 2, 1, 2  # tiny geometry: the bookkeeping is what is under test
 SEQ_IDS = st.integers(min_value=0, max_value=5)
@@ -47,19 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
     def blocks_needed(self, seq: int, n: int) -> int:
         bs = self.cache.block_size
         have = len(self.model[seq])
-        return math.ceil((have + n) / bs) - math.ceil(have / bs)
-
-    def snapshot(self):
-        c = self.cache
-        return ({s: list(t) for s, t in c.tables.items()}, dict(c.seq_lens), list(c.free),
-                c.k.clone(), c.v.clone())
-
-    def assert_unchanged(self, snap) -> None:
-        c = self.cache
-        tables, lens, free, k, v = snap
-        assert c.tables == tables and c.seq_lens == lens and c.free == free
-        torch.testing.assert_close(c.k, k, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(c.v, v, rtol=0, atol=0, equal_nan=True)
+        return ceil_div(have + n, bs) - ceil_div(have, bs)
 
     def live(self) -> list[int]:
         return sorted(self.model)
@@ -69,13 +57,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(seq=SEQ_IDS)
     def add(self, seq: int) -> None:
         if seq in self.model:
-            snap = self.snapshot()
+            snap = snapshot(self.cache)
             try:
                 self.cache.add_sequence(seq)
                 raise AssertionError("adding an existing id must raise")
             except ValueError:
                 pass
-            self.assert_unchanged(snap)
+            assert_unchanged(self.cache, snap)
         else:
             self.cache.add_sequence(seq)
             self.model[seq] = []
@@ -84,7 +72,7 @@ class CacheMachine(RuleBasedStateMachine):
     def unknown_id(self, seq: int) -> None:
         if seq in self.model:
             return
-        snap = self.snapshot()
+        snap = snapshot(self.cache)
         kv = self.tokens(1)[:, :, 0]
         for call in (lambda: self.cache.append_token(seq, kv[0], kv[1]),
                      lambda: self.cache.free_sequence(seq),
@@ -94,7 +82,7 @@ class CacheMachine(RuleBasedStateMachine):
                 raise AssertionError("an unknown id must raise KeyError")
             except KeyError as e:
                 assert repr(seq) in str(e)
-        self.assert_unchanged(snap)
+        assert_unchanged(self.cache, snap)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -140,13 +128,13 @@ class CacheMachine(RuleBasedStateMachine):
     def duplicate_batch(self, data) -> None:
         seq = data.draw(st.sampled_from(self.live()), label="seq")
         kv = self.tokens(2)
-        snap = self.snapshot()
+        snap = snapshot(self.cache)
         try:
             self.cache.append_batch([seq, seq], kv[0], kv[1])
             raise AssertionError("duplicate ids in a batch must raise")
         except ValueError:
             pass
-        self.assert_unchanged(snap)
+        assert_unchanged(self.cache, snap)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -172,7 +160,7 @@ class CacheMachine(RuleBasedStateMachine):
         del self.model[seq]
 
     def expect_out_of_blocks(self, call, needed: int | None = None) -> None:
-        snap = self.snapshot()
+        snap = snapshot(self.cache)
         free = self.cache.num_free_blocks
         try:
             call()
@@ -181,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert e.free == free and e.needed > free
             if needed is not None:
                 assert e.needed == needed
-        self.assert_unchanged(snap)
+        assert_unchanged(self.cache, snap)
 
     # --- invariants ------------------------------------------------------------------------------
 
@@ -190,7 +178,7 @@ class CacheMachine(RuleBasedStateMachine):
         c = self.cache
         c.check_invariants()
         assert c.seq_lens == {s: len(t) for s, t in self.model.items()}
-        used = sum(math.ceil(len(t) / c.block_size) for t in self.model.values())
+        used = sum(ceil_div(len(t), c.block_size) for t in self.model.values())
         assert c.num_free_blocks == c.num_blocks - used
 
     @invariant()

@@ -40,16 +40,35 @@ def test_bigger_blocks_waste_more():
     assert small.paged_fit > big.paged_fit
 
 
-@pytest.mark.parametrize("kwargs, name", [({"preset": "gpt-5"}, "preset"), ({"dtype": "int3"}, "dtype"),
-                                          ({"num_seqs": 0}, "num_seqs")])
+@pytest.mark.parametrize("kwargs, name", [
+    ({"preset": "gpt-5"}, "preset"), ({"dtype": "int3"}, "dtype"), ({"num_seqs": 0}, "num_seqs"),
+    ({"max_tokens": 10**9, "num_seqs": 64}, "max_tokens"), ({"num_seqs": 5000}, "num_seqs"),
+    ({"block_size": 2.0}, "block_size"),
+])
 def test_bad_settings_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        memory_report(**kwargs)
+        memory_report(**kwargs)  # max_tokens=10**9 once grew a list of requests until memory ran out
+    with pytest.raises(ValueError, match=name):
+        MemoryCalculator(**kwargs)
+
+
+def test_calculator_never_clamps_a_setting_silently():
+    calc = MemoryCalculator(max_tokens=1_000_000, block_size=48)
+    assert calc.max_tokens.value == 1_000_000 and calc.block_size.value == 48
+    assert calc.output.value == memory_report(max_tokens=1_000_000, block_size=48).html()
+    with pytest.raises(ValueError, match="max_tokens must be <= 1048576, got 2000000"):
+        MemoryCalculator(max_tokens=2_000_000)
+
+
+def test_the_fit_row_explains_itself():
+    r = memory_report()
+    assert ("requests that fit in 128 GiB, paged vs reserved", f"{r.paged_fit:,} vs 256 "
+            f"({r.paged_fit / 256:.1f}x)") in r.rows()
 
 
 def test_fit_is_not_capped_for_long_reservations():
     # at 128k-token reservations paging fits far more than 64x the requests: the answer must be exact
-    from pagedlib.sizing import contiguous_kv_bytes, max_sequences, synthetic_seq_lens
+    from pagedlib.sizing import max_sequences
 
     r = memory_report(max_tokens=131072, num_seqs=4)
     spec = PRESETS["llama-3-8b"]

@@ -23,12 +23,10 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
-def test_lock_pins_the_designed_versions():
+def test_lock_pins_every_package_the_course_imports():
     pins = _pins(ROOT / LOCK)
-    assert pins["torch"] == "2.13.0"
-    assert pins["triton"] == "3.7.1"
-    for pkg in ("numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbval", "pytest", "hypothesis", "ruff",
-                "playwright"):
+    for pkg in ("torch", "triton", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbval", "pytest",
+                "hypothesis", "ruff", "playwright"):
         assert pkg in pins, f"{pkg} is not pinned in {LOCK}"
     triton_line = next(line for line in (ROOT / LOCK).read_text().splitlines() if line.startswith("triton=="))
     assert "sys_platform == \"linux\"" in triton_line, "triton has Linux wheels only"

@@ -174,8 +174,38 @@ def test_scalar_arguments_are_checked_even_for_an_empty_batch():
 
 def test_format_bytes_never_switches_to_scientific_notation():
     assert format_bytes(1_048_000) == "1023 KiB"
-    assert format_bytes(1023.5) == "1024 B"
     assert "e+" not in format_bytes(1000.5 * 2**20)
+
+
+def test_format_bytes_picks_the_unit_after_rounding():
+    assert format_bytes(1_048_575) == "1 MiB"  # 1023.999 KiB would print as "1024 KiB"
+    assert format_bytes(1023.5) == "1 KiB"
+    assert format_bytes(2**30 - 1) == "1 GiB"
+    assert format_bytes(10**18) == "888 PiB"
+    for bad in (float("nan"), float("inf"), "12", True, None):
+        with pytest.raises(ValueError, match="n must be a finite number of bytes"):
+            format_bytes(bad)
+
+
+def test_numpy_integers_never_wrap_around():
+    import numpy as np
+
+    spec = ModelSpec("m", *map(np.int32, (80, 8, 128, 64)))
+    assert type(spec.num_layers) is int
+    assert contiguous_kv_bytes(spec, 4096, 256) == 343_597_383_680  # int32 arithmetic gave 0
+    assert contiguous_kv_bytes(ARTICLE, np.int32(4096), np.int64(256)) == 128 * GiB
+    assert kv_bytes_per_token(ARTICLE, np.int8(2)) == 128 * 1024
+
+
+def test_max_sequences_is_exact_beyond_int64():
+    per_token = kv_bytes_per_token(ARTICLE)
+    huge = [2**60]  # 2**60 tokens x 128 KiB = 2**77 bytes: int64 wrapped this to a size that "fits"
+    assert max_sequences(ARTICLE, 10**15, huge, block_size=16) == 0
+    assert max_sequences(ARTICLE, 10**15, huge, max_tokens=2**60) == 0
+    assert max_sequences(ARTICLE, 2**77, huge + [16], block_size=16) == 1
+    assert max_sequences(ARTICLE, 2**77 + 16 * per_token, huge + [16, 1], block_size=16) == 2
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]"):
+        max_sequences(ARTICLE, 10**15, [2**63], block_size=16)
 
 
 def test_synthetic_prefix_is_stable_and_arrays_match_lists():
