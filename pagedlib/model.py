@@ -34,7 +34,7 @@ from pagedlib.attention import paged_attention, paged_prefill_attention
 from pagedlib.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.checks import as_int, ceil_div
 
-__all__ = ["ATTENTION_BACKENDS", "LlamaShape", "PagedLlama", "Step"]
+__all__ = ["ATTENTION_BACKENDS", "LlamaShape", "PagedLlama", "Step", "token_list"]
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -330,7 +330,7 @@ class PagedLlama(nn.Module):
         if geometry != want:
             raise ValueError(f"cache (layers, kv_heads, head_dim, dtype, device) = {geometry} does not match "
                              f"the model's {want}")
-        seq_ids, prompts = list(seq_ids), [_token_list(f"tokens of sequence {i}", p, s.vocab_size)
+        seq_ids, prompts = list(seq_ids), [token_list(f"tokens of sequence {i}", p, s.vocab_size)
                                            for i, p in enumerate(prompts)]
         if len(seq_ids) != len(prompts):
             raise ValueError(f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists")
@@ -376,7 +376,7 @@ class PagedLlama(nn.Module):
         return self.lm_head(self.norm(x[last]))                                        # [B, vocab]
 
 
-def _token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
+def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
     """``tokens`` (a sequence of ints, numpy ints or a 1-D integer tensor) as a list of ints in
     ``[0, vocab_size)``; ``ValueError`` naming ``name`` otherwise."""
     if isinstance(tokens, torch.Tensor):
