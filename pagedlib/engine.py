@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedlib.checks import as_int
 from pagedlib.model import ATTENTION_BACKENDS, PagedLlama, token_list
 from pagedlib.serving import Request, Scheduler
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "StepOutput"]
 
 PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
 
@@ -42,6 +42,16 @@ class EngineStats:
     peak_blocks: int = 0            # most blocks held at once
     peak_running: int = 0           # most requests decoding or prefilling in one step
     finished: list[int] = field(default_factory=list)   # request ids, in finishing order
+
+
+class StepOutput(NamedTuple):
+    """Request ids, by what one ``Engine.step`` did with them (a request may be both prefilled and
+    finished, when it needed only one new token)."""
+
+    prefilled: list[int]    # admitted (or readmitted after a preemption): prompt (+ generated) run at once
+    decoded: list[int]      # one token appended in the batched decode
+    preempted: list[int]    # lost their blocks; back at the front of the queue
+    finished: list[int]     # all their tokens generated; blocks returned
 
 
 class Engine:
@@ -109,10 +119,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[int]:
+    def step(self) -> StepOutput:
         """Run one scheduler step: a batched decode for the running requests and one prefill for those
-        just admitted (or readmitted after a preemption: prompt and generated tokens are recomputed).
-        Returns the ids of the requests that finished (their blocks are free again)."""
+        just admitted (or readmitted after a preemption: prompt and generated tokens are recomputed);
+        requests that have all their tokens are finished and their blocks freed."""
         plan = self.scheduler.step()
         sampled: dict[int, int] = {}
         if plan.decode:
@@ -130,7 +140,8 @@ class Engine:
         for i, token in sampled.items():
             self.tokens[i].append(token)
         self.stats.generated_tokens += len(sampled)
-        return self._retire(plan.scheduled)
+        return StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
+                          [r.req_id for r in plan.preempted], self._retire(plan.scheduled))
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""

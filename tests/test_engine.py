@@ -85,12 +85,17 @@ def test_small_pool_preempts_resumes_and_still_equals_hf(ref, model, num_blocks,
     _, prompts, outs = ref
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
     ids = [engine.add_request(p, ORACLE_NEW_TOKENS) for p in prompts]
+    finished, preempted, readmitted = [], set(), set()
     while engine.has_unfinished():
-        engine.step()
+        out = engine.step()
+        readmitted |= preempted & set(out.prefilled)
+        preempted |= set(out.preempted)
+        finished += out.finished
         engine.cache.check_invariants()
         for r in engine.scheduler.running:
             assert engine.cache.seq_lens[r.req_id] == len(engine.tokens[r.req_id]) - 1
-    assert engine.stats.preemptions > 0
+    assert sorted(finished) == ids and preempted and readmitted == preempted
+    assert engine.stats.preemptions >= len(preempted)
     assert engine.stats.prefill_tokens > sum(map(len, prompts))       # recomputation happened
     assert [engine.output(i) for i in ids] == [tokens for tokens, _ in outs]
     assert engine.cache.num_free_blocks == num_blocks
