@@ -22,7 +22,7 @@ cache's append methods take every layer at once.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +95,8 @@ class Step:
         tokens, positions: int64 ``[T]`` token ids and their positions in their sequences.
         blocks, offsets: int64 ``[T]`` reserved slot of every token (vLLM's ``slot_mapping``, split).
         block_tables: int32 ``[B, max_blocks]``; seq_lens: int32 ``[B]`` lengths after this step.
-        decode: every sequence has exactly one new token (the batched decode kernel applies).
+        decode_attention: for a decode step (one new token per sequence), the batched kernel
+            (``paged_attention`` or ``paged_attention_triton``); ``None`` for a prefill.
     """
 
     seq_ids: list[Hashable]
@@ -106,7 +107,7 @@ class Step:
     offsets: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
-    decode: bool
+    decode_attention: Callable[..., torch.Tensor] | None
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
-                cache: PagedKVCache, attention: str) -> torch.Tensor:
+                cache: PagedKVCache) -> torch.Tensor:
         """``x``: ``[T, hidden]`` -> ``[T, hidden]``."""
         T = x.shape[0]
         q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), *rope)     # [T, Hq, D]
@@ -165,8 +166,8 @@ class Attention(nn.Module):
         k_pool, v_pool = cache.layer(self.layer)                       # [num_blocks, block_size, Hkv, D]
         k_pool[step.blocks, step.offsets] = k                          # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
-        if step.decode:
-            out = _decode_attention(attention)(q, k_pool, v_pool, step.block_tables, step.seq_lens)
+        if step.decode_attention is not None:
+            out = step.decode_attention(q, k_pool, v_pool, step.block_tables, step.seq_lens)  # [B, Hq, D]
         else:
             lens = step.seq_lens.tolist()
             out = torch.cat([paged_prefill_attention(q[a:b], k_pool, v_pool, step.block_tables[i], lens[i])
@@ -174,7 +175,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
-def _decode_attention(attention: str) -> Any:
+def _decode_attention(attention: str) -> Callable[..., torch.Tensor]:
     if attention == "triton":
         from pagedlib.triton_attention import paged_attention_triton  # imports triton: only when asked
 
@@ -206,8 +207,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
-                cache: PagedKVCache, attention: str) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache, attention)
+                cache: PagedKVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -283,7 +284,8 @@ class PagedLlama(nn.Module):
         Returns:
             ``[batch, vocab_size]`` logits after each prompt's last token.
         Raises:
-            ``OutOfBlocksError`` (nothing changed) when the pool cannot hold every prompt.
+            ``OutOfBlocksError`` (nothing changed) when the pool cannot hold every prompt. Should the
+            forward pass itself fail, the sequences keep their reserved slots: free them.
         """
         seq_ids, prompts = self._check_step(cache, seq_ids, prompts, attention)
         if any(not p for p in prompts):
@@ -296,7 +298,7 @@ class PagedLlama(nn.Module):
         starts = [cache.seq_lens[s] for s in seq_ids]
         for s, p in zip(seq_ids, prompts):
             cache.append_tokens(s, *self._placeholder(cache, len(p)))              # reserve the slots
-        return self._forward(cache, self._step(cache, seq_ids, starts, prompts, decode=False), attention)
+        return self._forward(self._step(cache, seq_ids, starts, prompts, None), cache)
 
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], tokens: Sequence[int],
@@ -307,14 +309,16 @@ class PagedLlama(nn.Module):
         Returns:
             ``[batch, vocab_size]`` logits after each new token.
         Raises:
-            ``OutOfBlocksError`` (nothing changed) when a sequence needs a block and none is free.
+            ``OutOfBlocksError`` (nothing changed) when a sequence needs a block and none is free. Should
+            the forward pass itself fail, the sequences keep their reserved slots: free them.
         """
         seq_ids, prompts = self._check_step(cache, seq_ids, [[t] for t in tokens], attention)
         if not seq_ids:
             raise ValueError("decode needs at least one sequence")
+        attend = _decode_attention(attention)             # imports triton when asked: before any change
         starts = [cache.seq_lens[s] for s in seq_ids]
         cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)))      # reserve the slots
-        return self._forward(cache, self._step(cache, seq_ids, starts, prompts, decode=True), attention)
+        return self._forward(self._step(cache, seq_ids, starts, prompts, attend), cache)
 
     # ---------------------------------------------------------------------------------------------
     # helpers
@@ -350,7 +354,7 @@ class PagedLlama(nn.Module):
         return z, z
 
     def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
-              prompts: list[list[int]], decode: bool) -> Step:
+              prompts: list[list[int]], decode_attention: Callable[..., torch.Tensor] | None) -> Step:
         """The ``Step`` of tokens ``prompts[i]`` placed at positions ``starts[i]...`` (already reserved)."""
         dev, bs = self.device, cache.block_size
         spans, flat, pos, rows = [], [], [], []
@@ -363,15 +367,15 @@ class PagedLlama(nn.Module):
         tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
         blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
         return Step(seq_ids, spans, torch.tensor(flat, dtype=torch.int64, device=dev), positions,
-                    blocks, positions % bs, tables, cache.seq_lens_tensor(seq_ids), decode)
+                    blocks, positions % bs, tables, cache.seq_lens_tensor(seq_ids), decode_attention)
 
-    def _forward(self, cache: PagedKVCache, step: Step, attention: str) -> torch.Tensor:
+    def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
         s = self.shape
         x = self.embed_tokens(step.tokens)                                             # [T, hidden]
         rope = rope_cos_sin(step.positions, s.head_dim, s.rope_theta, x.dtype)         # 2 x [T, head_dim]
         for layer in self.layers:
-            x = layer(x, rope, step, cache, attention)
+            x = layer(x, rope, step, cache)
         last = torch.tensor([end - 1 for _, end in step.spans], device=x.device)       # [B]
         return self.lm_head(self.norm(x[last]))                                        # [B, vocab]
 
