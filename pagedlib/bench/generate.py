@@ -195,5 +195,8 @@ def _run(args: argparse.Namespace) -> int:
              f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}")
     print_table(rows, COLUMNS, title=title)
     if args.json:
-        write_json(args.json, {"settings": vars(args), "environment": environment(device), "rows": rows})
+        import transformers
+
+        env = {**environment(device), "transformers": transformers.__version__}
+        write_json(args.json, {"settings": vars(args), "environment": env, "rows": rows})
     return 0
