@@ -443,3 +443,38 @@ def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
+
+# --- notebook 08: end to end ----------------------------------------------------------------------
+
+
+def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") -> Figure:
+    """Blocks held per request after each engine step, stacked (free blocks on top in grey); a cross
+    marks a step where a request was preempted, a dot a step where one finished.
+
+    Args:
+        history: one dict per step: ``blocks`` (request id -> blocks held), ``preempted`` and
+            ``finished`` (lists of request ids), as ``Engine.step`` and ``engine.cache.tables`` give them.
+        num_blocks: the pool size (the height of every bar).
+    """
+    fig, ax = _new_figure(8.0, 3.2)
+    ids = sorted({r for h in history for r in h["blocks"]} | {r for h in history for r in h["finished"]})
+    steps = range(len(history))
+    bottom = [0] * len(history)
+    for r in ids:
+        held = [h["blocks"].get(r, 0) for h in history]
+        ax.bar(steps, held, bottom=bottom, width=1.0, color=owner_color(r), label=f"request {r}")
+        bottom = [b + n for b, n in zip(bottom, held)]
+    ax.bar(steps, [num_blocks - b for b in bottom], bottom=bottom, width=1.0, color=FREE_COLOR, label="free")
+    top = num_blocks / 20                                         # marker rows above the bars
+    for t, h in enumerate(history):
+        for r in h["finished"]:
+            ax.plot(t, num_blocks + top, marker="o", color=owner_color(r), ms=5)
+        for r in h["preempted"]:
+            ax.plot(t, num_blocks + 2.2 * top, marker="x", color=owner_color(r), ms=7, mew=2)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV blocks")
+    ax.set_ylim(0, num_blocks + 3 * top)
+    ax.set_xlim(-0.5, len(history) - 0.5)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    ax.set_title(title or "Blocks held per request (x: preempted, o: finished)", fontsize=9)
+    return fig

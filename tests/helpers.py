@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from pagedlib.cache import PagedKVCache
 
 
@@ -17,3 +19,57 @@ def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     """``c`` is bit-for-bit what ``snapshot`` saw (NaN slots included), and still consistent."""
     assert c.state_diff(snap) == [], f"changed: {c.state_diff(snap)}"
     c.check_invariants()
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A seeded random ``transformers.LlamaForCausalLM`` built from a local config (no download), fp32, eval.
+
+    ``initializer_range=0.25``: with the default 0.02 a random tiny Llama repeats one token forever, and
+    token equality with it would prove little (DESIGN.md)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 initializer_range=0.25)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**sizes, **overrides})).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """``hf_model.generate(do_sample=False)`` for one prompt, exactly ``max_new_tokens`` (no EOS stop): (new
+    tokens, logits ``[max_new_tokens, vocab]`` of every step). The attention mask is passed explicitly:
+    inferred, it would hide every prompt token equal to the pad id."""
+    cfg = hf_model.generation_config
+    cfg.eos_token_id, cfg.pad_token_id, cfg.do_sample = None, 0, False
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+
+
+# the oracle prompts: lengths around block boundaries of block sizes 4, 8 and 16, plus odd ones
+ORACLE_LENGTHS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 47, 48, 49, 63, 64)
+ORACLE_NEW_TOKENS = 32
+
+
+def oracle_prompts(vocab_size: int = 200, seed: int = 1) -> list[list[int]]:
+    """One seeded random prompt per length in ``ORACLE_LENGTHS``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in ORACLE_LENGTHS]
+
+
+_ORACLE: dict = {}
+
+
+def oracle():
+    """``(hf_model, prompts, [(tokens, logits)] per prompt)`` for ``tiny_llama()``: greedy ``generate`` of
+    ``ORACLE_NEW_TOKENS`` tokens per prompt, computed once per test process (several test files share it)."""
+    if not _ORACLE:
+        hf = tiny_llama()
+        prompts = oracle_prompts(hf.config.vocab_size)
+        _ORACLE["value"] = hf, prompts, [hf_greedy(hf, p, ORACLE_NEW_TOKENS) for p in prompts]
+    return _ORACLE["value"]

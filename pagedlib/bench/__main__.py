@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "alloc": "allocator write throughput: append_token vs append_tokens vs append_batch (notebook 02)",
     "attention": "paged vs reference vs contiguous attention, decode and prefill (notebook 04)",
     "tracer": "how long a click of the block-table tracer widget takes to re-render (notebook 03)",
+    "generate": "greedy generation end to end: the engine vs transformers' generate, generate_batch (08)",
     "gpu": "the fused Triton kernel against SDPA, torch gather and FlexAttention on a CUDA GPU (notebook 05)",
 }
 

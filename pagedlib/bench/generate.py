@@ -1,0 +1,202 @@
+"""``python -m pagedlib.bench generate``: end-to-end greedy generation, tokens per second (notebook 08).
+
+The same requests (seeded random prompts of different lengths, ``--max-new-tokens`` each) on the same
+model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``LlamaConfig``), three ways:
+
+- ``engine``          ``pagedlib.engine.Engine``: continuous batching on the paged cache (``torch``
+                      attention; also ``triton`` on CUDA);
+- ``hf_generate``     transformers' ``generate`` on one left-padded batch (its contiguous ``DynamicCache``);
+- ``hf_generate_batch`` transformers' paged continuous batching (``generate_batch``).
+
+``tokens_per_s`` is new tokens over the best of ``--repeats`` wall-clock runs; ``x_engine`` is a method's
+time over the engine's, measured in the same run. KV memory: ``kv_alloc_MB`` is what the method set aside
+for K/V (the engine's and generate_batch's block pools; the padded contiguous cache for ``hf_generate``),
+``kv_peak_MB`` what held tokens at the fullest moment (the engine's blocks in use; for ``hf_generate`` the
+whole padded cache). ``same_tokens`` compares each method's tokens with ``hf_generate`` one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedlib.bench.timing import DTYPES, environment, print_table, write_json
+from pagedlib.checks import ceil_div
+
+COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "x_engine", "kv_alloc_MB",
+           "kv_peak_MB", "same_tokens"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--min-prompt", type=int, default=8)
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (the best counts)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
+
+
+def build(args: argparse.Namespace, device: str) -> tuple[Any, list[list[int]]]:
+    """The seeded random model (``initializer_range=0.25``: varied greedy tokens) and the prompts."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
+                         initializer_range=0.25, eos_token_id=None, pad_token_id=0)
+    hf = LlamaForCausalLM(config).to(device, DTYPES[args.dtype]).eval()
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    g = torch.Generator().manual_seed(args.seed)
+    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.num_requests,), generator=g).tolist()
+    return hf, [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def kv_bytes_per_token(hf: Any) -> int:
+    """K and V of one token over every layer."""
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * hf.dtype.itemsize
+
+
+def pool_blocks(prompts: list[list[int]], new_tokens: int, block_size: int) -> int:
+    """Blocks that hold every request at its longest at once (no preemption)."""
+    return sum(ceil_div(len(p) + new_tokens - 1, block_size) for p in prompts)
+
+
+def run_engine(model: Any, hf: Any, prompts: list[list[int]], args: argparse.Namespace, attention: str
+               ) -> tuple[list[list[int]], dict[str, float]]:
+    """A fresh engine (its pool allocated inside the timed region, as generate_batch's is)."""
+    from pagedlib.engine import Engine
+
+    blocks = pool_blocks(prompts, args.max_new_tokens, args.block_size)
+    engine = Engine(model, num_blocks=blocks, block_size=args.block_size, attention=attention)
+    out = engine.generate(prompts, args.max_new_tokens, progress=False)
+    per_block = kv_bytes_per_token(hf) * args.block_size
+    return out, {"kv_alloc_MB": blocks * per_block / 1e6,
+                 "kv_peak_MB": engine.stats.peak_blocks * per_block / 1e6}
+
+
+def run_hf_generate(hf: Any, prompts: list[list[int]], args: argparse.Namespace
+                    ) -> tuple[list[list[int]], dict[str, float]]:
+    """One left-padded batch: every row is as long as the longest prompt."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), do_sample=False,
+                          max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
+    held = sum(t.numel() * t.element_size() for layer in out.cache.layers for t in (layer.keys, layer.values))
+    return out.sequences[:, width:].tolist(), {"kv_alloc_MB": held / 1e6, "kv_peak_MB": held / 1e6}
+
+
+def run_hf_generate_batch(hf: Any, prompts: list[list[int]], args: argparse.Namespace
+                          ) -> tuple[list[list[int]], dict[str, float]]:
+    """transformers' continuous batching with a pool of the engine's size (explicit sizes: inferred on a
+    CPU, its setup alone takes ~30 s)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    blocks = pool_blocks(prompts, args.max_new_tokens, args.block_size)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=args.block_size, num_blocks=blocks, max_batch_tokens=2048)
+    out = hf.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                            warmup=False)
+    alloc = blocks * args.block_size * kv_bytes_per_token(hf)
+    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], {"kv_alloc_MB": alloc / 1e6}
+
+
+def reference_tokens(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``generate`` one prompt at a time (no padding): the tokens every method should produce."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=hf.device)
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
+
+def measure(fn: Callable[[], tuple[list[list[int]], dict[str, float]]], repeats: int, device: str
+            ) -> tuple[float, list[list[int]], dict[str, float]]:
+    """Best wall-clock time of ``repeats`` runs (after one warm-up run), the tokens and memory figures."""
+    tokens, memory = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best, tokens, memory
+
+
+def main(args: argparse.Namespace) -> int:
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    hf, prompts = build(args, device)
+    want = reference_tokens(hf, prompts, args.max_new_tokens)
+    from pagedlib.model import PagedLlama
+
+    model = PagedLlama.from_hf(hf)
+    methods: dict[str, Callable[[], tuple[list[list[int]], dict[str, float]]]] = {
+        "engine": lambda: run_engine(model, hf, prompts, args, "torch"),
+    }
+    if device == "cuda":
+        methods["engine_triton"] = lambda: run_engine(model, hf, prompts, args, "triton")
+    methods["hf_generate"] = lambda: run_hf_generate(hf, prompts, args)
+    methods["hf_generate_batch"] = lambda: run_hf_generate_batch(hf, prompts, args)
+    new_tokens = len(prompts) * args.max_new_tokens
+    rows = []
+    for name, fn in methods.items():
+        seconds, tokens, memory = measure(fn, args.repeats, device)
+        rows.append({"method": name, "requests": len(prompts), "new_tokens": new_tokens, "seconds": seconds,
+                     "tokens_per_s": new_tokens / seconds, **memory,
+                     "same_tokens": "yes" if tokens == want else "NO"})
+    for row in rows:
+        row["x_engine"] = row["seconds"] / rows[0]["seconds"]
+    title = (f"greedy generation on {device}, {args.dtype}: {len(prompts)} prompts of {args.min_prompt}-"
+             f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
+             f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}")
+    print_table(rows, COLUMNS, title=title)
+    if args.json:
+        import transformers
+
+        env = {**environment(device), "transformers": transformers.__version__}
+        write_json(args.json, {"settings": vars(args), "environment": env, "rows": rows})
+    return 0

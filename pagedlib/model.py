@@ -1,0 +1,398 @@
+"""A small Llama-style decoder whose attention runs on the paged KV cache (notebook 08).
+
+The architecture is Llama's: token embedding, then ``num_layers`` pre-norm blocks (RMSNorm -> grouped-query
+attention with rotary position embeddings -> residual; RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm
+and a linear head. Parameter names follow Hugging Face's ``LlamaForCausalLM`` so that ``PagedLlama.from_hf``
+loads its ``state_dict`` as it is.
+
+What is paged is the K/V side of attention. One forward pass handles a *step*: some new tokens for some
+sequences. It runs the way vLLM's model runner does:
+
+1. **Reserve slots.** The cache appends placeholder K/V for the new tokens (``append_tokens`` for a prompt,
+   ``append_batch`` for one decode token per sequence). That pops the blocks the tokens need and gives every
+   token a slot ``(block, offset)``: vLLM's ``slot_mapping``.
+2. **Per layer:** project q, k, v, rotate q and k by their positions, write k and v into this layer's pools at
+   the reserved slots (vLLM's ``reshape_and_cache``), then attend through the block table:
+   ``paged_prefill_attention`` for the tokens of a prompt, ``paged_attention`` (or the Triton kernel) for a
+   batch of decode tokens.
+
+Writing per layer is why step 1 exists: layer ``l``'s K/V are known only after layer ``l - 1`` ran, but the
+cache's append methods take every layer at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlib.attention import paged_attention, paged_prefill_attention
+from pagedlib.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.checks import as_int, ceil_div
+
+__all__ = ["ATTENTION_BACKENDS", "LlamaShape", "PagedLlama", "Step", "token_list"]
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes that define the model (a subset of Hugging Face's ``LlamaConfig``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config: Any) -> LlamaShape:
+        """Read a ``transformers.LlamaConfig``; ``ValueError`` for features this model does not implement."""
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        unsupported = {
+            "hidden_act": (config.hidden_act, "silu"),
+            "rope_type": (rope_type, "default"),
+            "attention_bias": (getattr(config, "attention_bias", False), False),
+            "mlp_bias": (getattr(config, "mlp_bias", False), False),
+        }
+        for name, (got, want) in unsupported.items():
+            if got != want:
+                raise ValueError(f"PagedLlama supports {name}={want!r} only, the config has {got!r}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+@dataclass
+class Step:
+    """The tokens of one forward pass and where their K/V go.
+
+    ``T`` is the number of new tokens over all sequences; ``B`` the number of sequences.
+
+    Attributes:
+        seq_ids: the ``B`` sequences, in order.
+        spans: ``(start, end)`` of each sequence's tokens in the flat ``[T]`` arrays.
+        tokens, positions: int64 ``[T]`` token ids and their positions in their sequences.
+        blocks, offsets: int64 ``[T]`` reserved slot of every token (vLLM's ``slot_mapping``, split).
+        block_tables: int32 ``[B, max_blocks]``; seq_lens: int32 ``[B]`` lengths after this step.
+        decode_attention: for a decode step (one new token per sequence), the batched kernel
+            (``paged_attention`` or ``paged_attention_triton``); ``None`` for a prefill.
+    """
+
+    seq_ids: list[Hashable]
+    spans: list[tuple[int, int]]
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    decode_attention: Callable[..., torch.Tensor] | None
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for ``positions`` (int64 ``[T]``): ``cos``, ``sin`` each ``[T, head_dim]``.
+
+    Pair ``i`` of a head (dims ``i`` and ``i + head_dim/2``) turns by ``position * theta^(-2i/head_dim)``.
+    """
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]                    # [T, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)                                # [T, head_dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by ``cos``, ``sin`` ``[T, head_dim]`` (the half-split layout:
+    dim ``i`` pairs with dim ``i + head_dim/2``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)               # [T, heads, head_dim]
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention whose K/V live in the paged cache."""
+
+    def __init__(self, shape: LlamaShape, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=False)
+        self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
+        self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
+                cache: PagedKVCache) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` -> ``[T, hidden]``."""
+        T = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), *rope)     # [T, Hq, D]
+        k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), *rope)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                     # [T, Hkv, D]
+        k_pool, v_pool = cache.layer(self.layer)                       # [num_blocks, block_size, Hkv, D]
+        k_pool[step.blocks, step.offsets] = k                          # vLLM's reshape_and_cache
+        v_pool[step.blocks, step.offsets] = v
+        if step.decode_attention is not None:
+            out = step.decode_attention(q, k_pool, v_pool, step.block_tables, step.seq_lens)  # [B, Hq, D]
+        else:
+            lens = step.seq_lens.tolist()
+            out = torch.cat([paged_prefill_attention(q[a:b], k_pool, v_pool, step.block_tables[i], lens[i])
+                             for i, (a, b) in enumerate(step.spans)])                  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+def _decode_attention(attention: str) -> Callable[..., torch.Tensor]:
+    if attention == "triton":
+        from pagedlib.triton_attention import paged_attention_triton  # imports triton: only when asked
+
+        return paged_attention_triton
+    return paged_attention
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, shape: LlamaShape, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape, layer)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
+                cache: PagedKVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PagedLlama(nn.Module):
+    """A Llama-style decoder that keeps its K/V in a ``PagedKVCache``.
+
+    Two entry points, both greedy-agnostic (they return logits; the caller picks tokens):
+
+    - ``prefill(cache, seq_ids, prompts)``: append whole prompts (or any run of new tokens) to sequences,
+      return the logits after the last token of each.
+    - ``decode(cache, seq_ids, tokens)``: append one token to each sequence in one batched step, return
+      the logits after it.
+    """
+
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, layer) for layer in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # ---------------------------------------------------------------------------------------------
+    # loading
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> PagedLlama:
+        """Copy the weights of a ``transformers.LlamaForCausalLM`` (default: its dtype and device)."""
+        first = next(hf_model.parameters())
+        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
+                                   device=device or first.device)
+
+    @classmethod
+    def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
+                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> PagedLlama:
+        """Build from a ``LlamaConfig`` and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes
+        and a missing tied ``lm_head.weight`` are fine). Unknown or missing weights raise."""
+        shape = LlamaShape.from_hf(config)
+        model = cls(shape)
+        state = {k.removeprefix("model."): v for k, v in state_dict.items() if "rotary_emb" not in k}
+        if shape.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
+        model.load_state_dict(state, strict=True)
+        return model.to(dtype=dtype, device=device).eval().requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """An empty ``PagedKVCache`` with this model's geometry, dtype and device."""
+        s = self.shape
+        return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
+                            dtype=self.dtype, device=self.device)
+
+    # ---------------------------------------------------------------------------------------------
+    # the two steps
+
+    @torch.no_grad()
+    def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
+                *, attention: str = "torch") -> torch.Tensor:
+        """Append ``prompts[i]`` (>= 1 token each) to live sequence ``seq_ids[i]`` and run them through
+        the model; attention is causal over everything the sequence holds (a chunk after earlier tokens
+        works too). Always ``paged_prefill_attention``: ``attention`` only picks the decode kernel.
+
+        Returns:
+            ``[batch, vocab_size]`` logits after each prompt's last token.
+        Raises:
+            ``OutOfBlocksError`` (nothing changed) when the pool cannot hold every prompt. Should the
+            forward pass itself fail, the sequences keep their reserved slots: free them.
+        """
+        seq_ids, prompts = self._check_step(cache, seq_ids, prompts, attention)
+        if any(not p for p in prompts):
+            raise ValueError("every prompt must hold at least one token")
+        bs = cache.block_size
+        needed = sum(ceil_div(cache.seq_lens[s] + len(p), bs) - len(cache.tables[s])
+                     for s, p in zip(seq_ids, prompts))
+        if needed > cache.num_free_blocks:
+            raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")
+        starts = [cache.seq_lens[s] for s in seq_ids]
+        for s, p in zip(seq_ids, prompts):
+            cache.append_tokens(s, *self._placeholder(cache, len(p)))              # reserve the slots
+        return self._forward(self._step(cache, seq_ids, starts, prompts, None), cache)
+
+    @torch.no_grad()
+    def decode(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], tokens: Sequence[int],
+               *, attention: str = "torch") -> torch.Tensor:
+        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]`` in one batched step, attending
+        with ``paged_attention`` (``attention="torch"``) or the fused kernel (``"triton"``).
+
+        Returns:
+            ``[batch, vocab_size]`` logits after each new token.
+        Raises:
+            ``OutOfBlocksError`` (nothing changed) when a sequence needs a block and none is free. Should
+            the forward pass itself fail, the sequences keep their reserved slots: free them.
+        """
+        seq_ids, prompts = self._check_step(cache, seq_ids, [[t] for t in tokens], attention)
+        if not seq_ids:
+            raise ValueError("decode needs at least one sequence")
+        attend = _decode_attention(attention)             # imports triton when asked: before any change
+        starts = [cache.seq_lens[s] for s in seq_ids]
+        cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)))      # reserve the slots
+        return self._forward(self._step(cache, seq_ids, starts, prompts, attend), cache)
+
+    # ---------------------------------------------------------------------------------------------
+    # helpers
+
+    def _check_step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
+                    attention: str) -> tuple[list[Hashable], list[list[int]]]:
+        """Validate everything before anything changes; token ids become plain ints."""
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        s = self.shape
+        geometry = (cache.num_layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
+        want = (s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        if geometry != want:
+            raise ValueError(f"cache (layers, kv_heads, head_dim, dtype, device) = {geometry} does not match "
+                             f"the model's {want}")
+        seq_ids, prompts = list(seq_ids), [token_list(f"tokens of sequence {i}", p, s.vocab_size)
+                                           for i, p in enumerate(prompts)]
+        if len(seq_ids) != len(prompts):
+            raise ValueError(f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        for sid in seq_ids:
+            if sid not in cache.seq_lens:
+                raise KeyError(f"sequence {sid!r} is not in the cache (add_sequence it first)")
+        return seq_ids, prompts
+
+    @staticmethod
+    def _placeholder(cache: PagedKVCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero K and V ``[num_layers, n, kv_heads, head_dim]``: appended to reserve slots, then overwritten
+        layer by layer."""
+        z = torch.zeros(cache.num_layers, n, cache.kv_heads, cache.head_dim, dtype=cache.dtype,
+                        device=cache.device)
+        return z, z
+
+    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
+              prompts: list[list[int]], decode_attention: Callable[..., torch.Tensor] | None) -> Step:
+        """The ``Step`` of tokens ``prompts[i]`` placed at positions ``starts[i]...`` (already reserved)."""
+        dev, bs = self.device, cache.block_size
+        spans, flat, pos, rows = [], [], [], []
+        for i, (start, p) in enumerate(zip(starts, prompts)):
+            spans.append((len(flat), len(flat) + len(p)))
+            flat += p
+            pos += range(start, start + len(p))
+            rows += [i] * len(p)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)                  # [T]
+        tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
+        blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
+        return Step(seq_ids, spans, torch.tensor(flat, dtype=torch.int64, device=dev), positions,
+                    blocks, positions % bs, tables, cache.seq_lens_tensor(seq_ids), decode_attention)
+
+    def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
+        """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
+        s = self.shape
+        x = self.embed_tokens(step.tokens)                                             # [T, hidden]
+        rope = rope_cos_sin(step.positions, s.head_dim, s.rope_theta, x.dtype)         # 2 x [T, head_dim]
+        for layer in self.layers:
+            x = layer(x, rope, step, cache)
+        last = torch.tensor([end - 1 for _, end in step.spans], device=x.device)       # [B]
+        return self.lm_head(self.norm(x[last]))                                        # [B, vocab]
+
+
+def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
+    """``tokens`` (a sequence of ints, numpy ints or a 1-D integer tensor) as a list of ints in
+    ``[0, vocab_size)``; ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {tokens.dtype} {list(tokens.shape)}")
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise ValueError(f"{name} must be a list of token ids, got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        t = as_int(name, t)
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
+        out.append(t)
+    return out

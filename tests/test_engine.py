@@ -1,0 +1,184 @@
+"""Engine: continuous batching through the paged cache gives, token for token, what transformers gives:
+``generate`` one prompt at a time, and its own paged continuous batching ``generate_batch``; also when the
+pool is so small that requests are preempted and recomputed."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
+
+import logging
+
+import pytest
+import torch
+from helpers import ORACLE_NEW_TOKENS, oracle, tiny_llama
+
+import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
+from pagedlib.engine import Engine
+from pagedlib.model import PagedLlama
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops: on a shared 2-core machine a second intra-op thread only slows them down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return oracle()
+
+
+@pytest.fixture(scope="module")
+def model(ref):
+    return PagedLlama.from_hf(ref[0])
+
+
+def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' paged continuous batching (sdpa attention on the CPU), greedy, no EOS stop."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "eos_token_id not set"
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # explicit sizes: left to infer them on a CPU, it takes ~30 s to set up
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=256, max_batch_tokens=512)
+    out = hf.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                            warmup=False)
+    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+def assert_idle(engine: Engine) -> None:
+    """Every block back on the free stack, no request left."""
+    engine.cache.check_invariants()
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert not engine.cache.seq_lens and not engine.has_unfinished() and not engine.tokens
+
+
+def test_engine_equals_hf_generate_and_generate_batch(ref, model):
+    hf, prompts, outs = ref
+    engine = Engine(model, num_blocks=256, block_size=16)
+    got = engine.generate(prompts, ORACLE_NEW_TOKENS)
+    want = [tokens for tokens, _ in outs]
+    assert got == want
+    assert hf_generate_batch(hf, prompts, ORACLE_NEW_TOKENS) == want
+    assert engine.stats.preemptions == 0 and engine.stats.peak_running == len(prompts)
+    assert engine.stats.generated_tokens == len(prompts) * ORACLE_NEW_TOKENS
+    assert_idle(engine)
+
+
+def test_from_hf_builds_the_same_engine(ref):
+    hf, prompts, outs = ref
+    engine = Engine.from_hf(hf, num_blocks=64, block_size=8)
+    assert engine.generate(prompts[:4], 5) == [t[:5] for t, _ in outs[:4]]
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(12, 8), (7, 16), (30, 4)])
+def test_small_pool_preempts_resumes_and_still_equals_hf(ref, model, num_blocks, block_size):
+    """The longest request (64 + 31 tokens) barely fits alone: requests are preempted, recomputed and
+    resumed many times. Checked every step: the cache is consistent and each running request's cache
+    holds all its tokens but the last sampled one."""
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
+    ids = [engine.add_request(p, ORACLE_NEW_TOKENS) for p in prompts]
+    finished, preempted, readmitted = [], set(), set()
+    while engine.has_unfinished():
+        out = engine.step()
+        readmitted |= preempted & set(out.prefilled)
+        preempted |= set(out.preempted)
+        finished += out.finished
+        engine.cache.check_invariants()
+        for r in engine.scheduler.running:
+            assert engine.cache.seq_lens[r.req_id] == len(engine.tokens[r.req_id]) - 1
+    assert sorted(finished) == ids and preempted and readmitted == preempted
+    assert engine.stats.preemptions >= len(preempted)
+    assert engine.stats.prefill_tokens > sum(map(len, prompts))       # recomputation happened
+    assert [engine.output(i) for i in ids] == [tokens for tokens, _ in outs]
+    assert engine.cache.num_free_blocks == num_blocks
+
+
+def test_generate_in_a_small_pool_with_one_new_token_and_a_progress_bar(ref, model, capsys):
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=10, block_size=8)
+    assert engine.generate(prompts, 1, progress=True) == [t[:1] for t, _ in outs]
+    assert "generate" in capsys.readouterr().err
+    assert_idle(engine)
+
+
+def test_engine_with_the_triton_kernel_in_the_interpreter(ref, model):
+    pytest.importorskip("triton", reason="Triton ships Linux wheels only")
+    _, prompts, outs = ref
+    few = [2, 6, 11]                                                      # 3, 8 and 17 tokens
+    engine = Engine(model, num_blocks=8, block_size=4, attention="triton")
+    got = engine.generate([prompts[i] for i in few], 6)
+    assert got == [outs[i][0][:6] for i in few]
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
+    (dict(prompts=[[1, 200]]), r"prompts\[0\]: token id 200 is outside the vocabulary"),
+    (dict(prompts=[[-3]]), "outside the vocabulary"),
+    (dict(prompts=[[1, 2.5]]), "must be an int"),
+    (dict(prompts=[[True]]), "bool"),
+    (dict(prompts="hello"), "list of token-id lists"),
+    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(prompts=[[1]], max_new_tokens=2.0), "max_new_tokens must be an int"),
+    (dict(prompts=[[1]] * 3 + [list(range(62))]), r"prompts\[3\] \(62 tokens\) .* needs 65 token slots"),
+    (dict(prompts=[list(range(40))], max_new_tokens=26), "more than the pool of 4 blocks x 16 = 64"),
+])
+def test_bad_input_is_rejected_before_any_work(model, kwargs, match):
+    engine = Engine(model, num_blocks=4, block_size=16)                  # 64 token slots
+    args = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        engine.generate(args["prompts"], args["max_new_tokens"])
+    assert engine.stats.steps == 0
+    assert_idle(engine)
+    assert engine.generate([list(range(40))], 25) == engine.generate([list(range(40))], 25)  # still works
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(enable_prefix_caching=True), "prefix-caching cache"),
+    (dict(attention="flash"), "attention must be"),
+    (dict(attention="triton", block_size=12), "power of two"),
+    (dict(num_blocks=0), "num_blocks must be >= 1"),
+    (dict(block_size=True), "block_size must be an int"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+])
+def test_bad_engine_arguments(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(model, **{"num_blocks": 8, **kwargs})
+
+
+def test_engine_wants_a_paged_model():
+    with pytest.raises(ValueError, match="PagedLlama"):
+        Engine(tiny_llama(vocab_size=32), num_blocks=8)
+
+
+def test_an_error_mid_run_frees_everything(model, monkeypatch):
+    engine = Engine(model, num_blocks=16, block_size=4)
+    calls = []
+
+    def failing_decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return PagedLlama.decode(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "decode", failing_decode)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate([[1, 2, 3], [4, 5]], 8)
+    assert_idle(engine)
+    monkeypatch.undo()
+    assert len(engine.generate([[1, 2, 3], [4, 5]], 8)[1]) == 8
+
+
+def test_generate_refuses_while_stepped_requests_are_pending(model):
+    engine = Engine(model, num_blocks=8, block_size=4)
+    engine.add_request([1, 2, 3], 2)
+    with pytest.raises(ValueError, match="unfinished"):
+        engine.generate([[1]], 1)

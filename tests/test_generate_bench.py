@@ -1,0 +1,27 @@
+"""Smoke test of ``python -m pagedlib.bench generate`` (speed is measured there, never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from pagedlib.bench.__main__ import main
+
+
+def test_generate_benchmark_runs_and_every_method_agrees(tmp_path, capsys):
+    out = tmp_path / "generate.json"
+    threads = torch.get_num_threads()
+    argv = ["generate", "--num-requests", "5", "--min-prompt", "3", "--max-prompt", "40",
+            "--max-new-tokens", "6", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+            "--intermediate", "64", "--vocab", "64", "--block-size", "8", "--repeats", "1", "--threads", "1",
+            "--device", "cpu", "--json", str(out)]
+    assert main(argv) == 0
+    assert torch.get_num_threads() == threads                      # restored
+    assert "hf_generate_batch" in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"engine", "hf_generate", "hf_generate_batch"}
+    assert all(r["same_tokens"] == "yes" and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["engine"]["x_engine"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
+    # the padded contiguous cache holds 5 rows of the longest prompt; the pool fits each request exactly
+    assert rows["engine"]["kv_peak_MB"] <= rows["engine"]["kv_alloc_MB"] < rows["hf_generate"]["kv_alloc_MB"]

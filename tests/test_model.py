@@ -1,0 +1,180 @@
+"""PagedLlama against transformers' LlamaForCausalLM: same weights, same logits, same greedy tokens.
+
+The oracle is a seeded random tiny Llama built from a local config (no download). Its
+``initializer_range=0.25`` makes greedy decoding wander over the vocabulary instead of repeating one token,
+so equal token streams are strong evidence (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
+
+import pytest
+import torch
+from helpers import ORACLE_NEW_TOKENS, assert_unchanged, oracle, snapshot, tiny_llama
+
+import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
+from pagedlib.cache import OutOfBlocksError
+from pagedlib.model import LlamaShape, PagedLlama
+
+# logits reach |9|; fp32 paths that sum in a different order differ by a few 1e-5 there
+LOGITS_TOL = dict(rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are microseconds long: on a shared 2-core machine a second intra-op thread
+    makes them several times slower, so this file runs single-threaded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return oracle()
+
+
+@pytest.fixture(scope="module")
+def model(ref):
+    return PagedLlama.from_hf(ref[0])
+
+
+def greedy(model: PagedLlama, prompts: list[list[int]], new_tokens: int, block_size: int,
+           attention: str = "torch", poison: bool = False) -> tuple[list[list[int]], torch.Tensor]:
+    """All prompts in one prefill, then one batched decode step per token. Returns (new tokens per
+    prompt, logits ``[batch, new_tokens, vocab]``). ``poison`` writes NaN into every slot holding no token
+    before each step."""
+    blocks = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts)
+    cache = model.new_cache(num_blocks=blocks, block_size=block_size)
+    ids = list(range(len(prompts)))
+    for i in ids:
+        cache.add_sequence(i)
+    steps = [model.prefill(cache, ids, prompts, attention=attention)]                 # [B, vocab]
+    for _ in range(new_tokens - 1):
+        if poison:
+            cache.fill_unused(float("nan"))
+        steps.append(model.decode(cache, ids, steps[-1].argmax(-1).tolist(), attention=attention))
+    cache.check_invariants()
+    assert cache.seq_lens == {i: len(p) + new_tokens - 1 for i, p in zip(ids, prompts)}
+    logits = torch.stack(steps, dim=1)                                                 # [B, steps, vocab]
+    return logits.argmax(-1).tolist(), logits
+
+
+def test_oracle_is_not_degenerate(ref):
+    _, prompts, outs = ref
+    assert len(prompts) >= 20 and all(len(t) == ORACLE_NEW_TOKENS for t, _ in outs)
+    distinct = {t for tokens, _ in outs for t in tokens}
+    assert len(distinct) > 100, f"greedy outputs use only {len(distinct)} distinct tokens"
+
+
+def test_from_hf_copies_every_weight(ref, model):
+    hf_state = ref[0].state_dict()
+    ours = model.state_dict()
+    assert len(ours) == len(hf_state)
+    for name, tensor in hf_state.items():
+        torch.testing.assert_close(ours[name.removeprefix("model.")], tensor, rtol=0, atol=0)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_shape_from_config(ref):
+    shape = LlamaShape.from_hf(ref[0].config)
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (2, 4, 2, 16)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_greedy_tokens_and_logits_equal_hf_generate(ref, model, block_size):
+    hf, prompts, outs = ref
+    tokens, logits = greedy(model, prompts, ORACLE_NEW_TOKENS, block_size)
+    for i, (want_tokens, want_logits) in enumerate(outs):
+        assert tokens[i] == want_tokens, f"prompt {i} (length {len(prompts[i])})"
+        torch.testing.assert_close(logits[i], want_logits, **LOGITS_TOL)
+
+
+def test_prefill_logits_equal_hf_forward_at_every_position(ref, model):
+    """A prompt fed in three chunks (prefill after earlier tokens) gives HF's logits at each chunk end."""
+    hf, prompts, _ = ref
+    prompt = prompts[-1]                                                               # 64 tokens
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]                                    # [64, vocab]
+    cache = model.new_cache(num_blocks=16, block_size=4)
+    cache.add_sequence("s")
+    for start, end in [(0, 5), (5, 6), (6, 64)]:
+        got = model.prefill(cache, ["s"], [prompt[start:end]])
+        torch.testing.assert_close(got[0], want[end - 1], **LOGITS_TOL)
+
+
+def test_garbage_in_unused_slots_changes_nothing(ref, model):
+    _, prompts, outs = ref
+    tokens, logits = greedy(model, prompts[:6], 12, block_size=4, poison=True)
+    assert torch.isfinite(logits).all()
+    assert tokens == [t[:12] for t, _ in outs[:6]]
+
+
+def test_triton_kernel_in_interpreter_equals_hf(ref, model):
+    pytest.importorskip("triton", reason="Triton ships Linux wheels only")
+    _, prompts, outs = ref
+    few = [prompts[i] for i in (2, 6, 11)]                                             # 3, 8, 17 tokens
+    tokens, logits = greedy(model, few, 8, block_size=4, attention="triton")
+    torch_tokens, torch_logits = greedy(model, few, 8, block_size=4)
+    assert tokens == torch_tokens == [outs[i][0][:8] for i in (2, 6, 11)]
+    torch.testing.assert_close(logits, torch_logits, **LOGITS_TOL)
+
+
+def test_tied_embeddings_load_and_match():
+    hf = tiny_llama(seed=3, tie_word_embeddings=True, vocab_size=64)
+    model = PagedLlama.from_hf(hf)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    cache = model.new_cache(num_blocks=4, block_size=4)
+    cache.add_sequence(0)
+    got = model.prefill(cache, [0], [[1, 2, 3, 60]])
+    with torch.no_grad():
+        want = hf(torch.tensor([[1, 2, 3, 60]])).logits[0, -1]
+    torch.testing.assert_close(got[0], want, **LOGITS_TOL)
+
+
+@pytest.mark.parametrize("override", [dict(hidden_act="gelu"), dict(attention_bias=True),
+                                      dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                            "rope_theta": 10000.0})])
+def test_unsupported_config_is_rejected(override):
+    hf = tiny_llama(vocab_size=32, **override)
+    with pytest.raises(ValueError, match="supports"):
+        PagedLlama.from_hf(hf)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, c: m.prefill(c, [0], [[]]), "at least one token"),
+    (lambda m, c: m.prefill(c, [0], [[1, 200]]), "outside the vocabulary"),
+    (lambda m, c: m.prefill(c, [0], [[1, -1]]), "outside the vocabulary"),
+    (lambda m, c: m.prefill(c, [0], [[1, True]]), "bool"),
+    (lambda m, c: m.prefill(c, [0], [[1, 2.0]]), "must be an int"),
+    (lambda m, c: m.prefill(c, [0], ["abc"]), "list of token ids"),
+    (lambda m, c: m.prefill(c, [0], [torch.tensor([1.0])]), "integer tensor"),
+    (lambda m, c: m.prefill(c, [0, 1], [[1]]), "2 seq_ids but 1"),
+    (lambda m, c: m.prefill(c, [0], [[1]], attention="flash"), "attention must be"),
+    (lambda m, c: m.decode(c, [0, 0], [1, 2]), "distinct"),
+    (lambda m, c: m.decode(c, [], []), "at least one sequence"),
+    (lambda m, c: m.prefill(c, [0], [list(range(100))]), "out of KV blocks"),
+    (lambda m, c: m.decode(c, [7], [1]), "not in the cache"),
+])
+def test_bad_input_raises_and_changes_nothing(model, call, match):
+    cache = model.new_cache(num_blocks=6, block_size=4)
+    cache.add_sequence(0)
+    model.prefill(cache, [0], [[5, 6, 7, 8, 9]])
+    cache.add_sequence(1)
+    before = snapshot(cache)
+    with pytest.raises((ValueError, KeyError, OutOfBlocksError), match=match):
+        call(model, cache)
+    assert_unchanged(cache, before)
+
+
+def test_cache_of_another_shape_is_rejected(model):
+    wrong = PagedLlama.from_hf(tiny_llama(vocab_size=32, num_key_value_heads=4))
+    cache = wrong.new_cache(num_blocks=2, block_size=4)
+    cache.add_sequence(0)
+    with pytest.raises(ValueError, match="does not match"):
+        model.prefill(cache, [0], [[1]])
+    assert cache.seq_lens == {0: 0}

@@ -1,0 +1,96 @@
+"""The committed tiny character-level model: it loads (as PagedLlama and as transformers' Llama), both
+generate the same tokens, it is trained (held-out loss far below chance), and save/load round-trips.
+Nothing here trains: the weights come from ``python -m pagedlib.train_tiny``."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import hf_greedy, tiny_llama
+
+import pagedlib  # noqa: F401  (before transformers: pagedlib picks Triton's mode first)
+from pagedlib.engine import Engine
+from pagedlib.train_tiny import TINY_DIR, CharTokenizer, TrainConfig, corpus, load_tiny, load_tiny_hf, save
+from pagedlib.train_tiny import _lr as lr_at
+from pagedlib.train_tiny import _windows as windows
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_tiny()
+    torch.set_num_threads(threads)
+
+
+def test_committed_files_are_small_and_say_how_they_were_made():
+    weights = TINY_DIR / "model.safetensors"
+    assert weights.stat().st_size < 4 * 2**20
+    record = json.loads((TINY_DIR / "training.json").read_text())
+    assert record["command"] == "nice -n 10 python -m pagedlib.train_tiny"
+    assert record["config"] == TrainConfig().__dict__          # the defaults made these weights
+    assert record["train_seconds"] > 0
+
+
+def test_paged_model_and_transformers_generate_the_same_text(tiny):
+    model, tok = tiny
+    hf, _ = load_tiny_hf()
+    prompts = [tok.encode('The "for" statement'), tok.encode("import ")]
+    got = Engine(model, num_blocks=16, block_size=16).generate(prompts, 40)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(hf, prompt, 40)[0]
+
+
+def test_the_model_is_trained(tiny):
+    """Held-out text (the corpus's last 5%, never trained on) costs far fewer nats per character than
+    guessing uniformly over the 96 characters (ln 96 = 4.56)."""
+    _, tok = tiny
+    hf, _ = load_tiny_hf()
+    data = torch.tensor(tok.encode(corpus()))
+    held_out = data[int(len(data) * 0.95):]
+    x, y = windows(held_out, torch.tensor([0, 1000, 5000, 9000]), 128)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+    assert loss.item() < 0.5 * math.log(len(tok))
+
+
+def test_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)))
+    assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+    assert tok.decode(tok.encode("\u201cquoted\u201d \u2014 dash")) == '"quoted" - dash'
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.encode("caf\u00e9")
+    with pytest.raises(ValueError, match="distinct"):
+        CharTokenizer("aa")
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0)
+    assert lr_at(cfg, 0) == pytest.approx(0.1) and lr_at(cfg, 9) == pytest.approx(1.0)
+    assert lr_at(cfg, 10) == pytest.approx(1.0) and lr_at(cfg, 100) == pytest.approx(0.1)
+    assert all(lr_at(cfg, s) >= lr_at(cfg, s + 1) for s in range(10, 100))
+
+
+def test_save_then_load_round_trips(tmp_path):
+    """An untrained model of the tiny vocabulary, saved and loaded back: same weights, same tokens."""
+    tok = CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)))
+    hf = tiny_llama(seed=5, vocab_size=len(tok))
+    save(hf, tok, TrainConfig(steps=0), {"train_seconds": 0.0}, tmp_path)
+    model, tok2 = load_tiny(tmp_path)
+    assert tok2.chars == tok.chars
+    for name, t in hf.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name.removeprefix("model.")], t, rtol=0, atol=0)
+    prompt = tok.encode("while True:")
+    assert Engine(model, num_blocks=4).generate([prompt], 6)[0] == hf_greedy(hf, prompt, 6)[0]
+
+
+def test_missing_weights_say_how_to_make_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m pagedlib.train_tiny"):
+        load_tiny(tmp_path)
