@@ -114,7 +114,8 @@ def test_chunking_does_not_change_the_result() -> None:
     args = decode_args(filled_cache([5, 40, 17, 64, 1, 33], 16, 2, 64), 8)
     whole = paged_attention(*args, chunk_bytes=math.inf)
     for chunk_bytes in (0, 1, 40 * 1024, 100 * 1024, np.float64(1e5)):  # one sequence per chunk, then more
-        torch.testing.assert_close(paged_attention(*args, chunk_bytes=chunk_bytes), whole, atol=1e-6, rtol=1e-6)
+        out = paged_attention(*args, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
 
 
 def test_custom_scale() -> None:
@@ -236,8 +237,8 @@ def test_threads_may_call_paged_attention_at_once() -> None:
     jobs = [decode_args(filled_cache([9, 30, 2], 4, 2, 32, seed=s), 4, seed=s) for s in range(4)]
     want = [paged_attention(*a) for a in jobs]
     got: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
-    threads = [threading.Thread(target=lambda i=i: got[i].extend(paged_attention(*jobs[i]) for _ in range(20)))
-               for i in range(4)]
+    work = lambda i: got[i].extend(paged_attention(*jobs[i]) for _ in range(20))
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -316,7 +317,8 @@ def test_an_empty_cache_dimension_is_named(dim: int, what: str) -> None:
 def test_a_bad_scale_is_named(scale) -> None:
     args = valid_args()
     q, k_cache, v_cache, tables, lens = args.values()
-    calls = [lambda: paged_attention(**args, scale=scale), lambda: paged_attention_oracle(**args, scale=scale),
+    calls = [lambda: paged_attention(**args, scale=scale),
+             lambda: paged_attention_oracle(**args, scale=scale),
              lambda: paged_prefill_attention(q[:1], k_cache, v_cache, tables[0], 5, scale=scale),
              lambda: contiguous_attention(q[:, :, None], q[:, :2, None], q[:, :2, None], scale=scale)]
     for call in calls:
@@ -363,3 +365,25 @@ def test_kv_bytes_is_the_bytes_of_k_and_v_read() -> None:
     assert kv_bytes([np.int32(2**30)] * 4, np.int32(8), 128, torch.float16) == 2 * 2**32 * 8 * 128 * 2
     with pytest.raises(ValueError, match="must be >= 0"):
         kv_bytes([-3], 2, 4, torch.float16)
+
+
+def test_benchmark_command_writes_json(tmp_path) -> None:
+    import json
+
+    from pagedlib.bench.__main__ import main
+
+    path = tmp_path / "attention.json"
+    argv = ["attention", "--batch", "2", "--context", "24", "--q-heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--block-sizes", "1", "8", "--contexts", "8", "24", "--repeats", "2",
+            "--json", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["environment"]["torch"] == torch.__version__ and result["config"]["head_dim"] == 16
+    impls = {(r["phase"], r["impl"]) for r in result["decode"] + result["prefill"]}
+    assert impls == {("decode", "reference"), ("decode", "paged"), ("decode", "paged-whole-batch"),
+                     ("decode", "contiguous"), ("prefill", "paged"), ("prefill", "contiguous")}
+    assert [r["block_size"] for r in result["block_size_sweep"]] == [1, 1, 8, 8]
+    assert [r["context"] for r in result["context_sweep"]] == [8, 8, 24, 24]
+    for r in result["decode"] + result["prefill"]:  # speedup: contiguous time / time, at the same point
+        base = next(b for b in result[r["phase"]] if b["impl"] == "contiguous" and b["batch"] == r["batch"])
+        assert r["speedup"] == pytest.approx(base["ms"] / r["ms"])

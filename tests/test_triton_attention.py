@@ -20,7 +20,13 @@ import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first im
 
 # after pagedlib, which picks Triton's mode before triton's first import
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
-from pagedlib.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, paged_attention_oracle, rel_error
+from pagedlib.attention import (
+    REL_ERROR_LIMITS,
+    TOLERANCES,
+    paged_attention,
+    paged_attention_oracle,
+    rel_error,
+)
 from pagedlib.triton_attention import MAX_SPLITS, choose_num_splits, launch_decode, paged_attention_triton
 from pagedlib.triton_tools import interpreting
 
@@ -254,3 +260,75 @@ def test_refuses_compiled_mode_without_cuda(setup):
     msg = proc.stdout
     assert "imported in compiled mode" in msg and "no CUDA device" in msg, msg + proc.stderr
     assert "Import pagedlib before" in msg and "TRITON_INTERPRET=1" in msg
+
+
+# --- the GPU benchmark's CPU-safe parts ----------------------------------------------------------
+
+
+def test_gpu_benchmark_refuses_to_run_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    proc = subprocess.run([sys.executable, "-m", "pagedlib.bench", "gpu"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "needs a CUDA GPU" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_gpu_benchmark_replay_plan_leaves_l2():
+    from pagedlib.bench import gpu
+
+    l2 = 50 * 2**20
+    for batch in (1, 8, 64, 256):
+        for context in (512, 4096, 32768):
+            nbytes = gpu.Shape(batch, context).kv_bytes
+            inner, sets = gpu.replay_plan(nbytes, l2)
+            assert 1 <= sets <= inner
+            # a replay's working set is beyond L2, unless every call of it already has its own inputs
+            assert sets * nbytes >= 3 * l2 or sets == inner
+    assert gpu.Shape(256, 32768).kv_bytes == 2 * 256 * 32768 * 8 * 128 * 2
+
+
+def test_gpu_benchmark_pipeline_on_tiny_cpu_tensors(tmp_path):
+    """run_shape -> finish_rows -> JSON + markdown on tiny tensors, with a stand-in timer."""
+    import json
+
+    from pagedlib.bench import gpu
+
+    def cpu_timer(calls, inner, repeats, graph=True):
+        outs = [c() for c in calls]
+        assert all(torch.isfinite(o).all() for o in outs)
+        return (4e-3 if graph else 1e-3), "cpu stand-in"
+
+    shape = gpu.Shape(batch=2, context=24, q_heads=4, kv_heads=2, head_dim=16, block_size=4,
+                      dtype=torch.float32)
+    pool = gpu.Pool(0.0002, shape, device=DEVICE)
+    rows = gpu.run_shape(shape, pool, 2**16, torch.Generator(device=DEVICE).manual_seed(0), repeats=1,
+                         timer=cpu_timer)
+    assert [r["method"] for r in rows] == list(gpu.METHODS)
+    assert "triton rel. diff" in rows[-1]["note"] and float(rows[-1]["note"].split()[-1]) < 1e-5
+    rows = gpu.finish_rows(rows, copy_gbps=100.0)
+    by = {r["method"]: r for r in rows}
+    assert by["sdpa contiguous"]["speedup vs SDPA"] == 1.0
+    assert by["torch gather"]["speedup vs SDPA"] == pytest.approx(4.0)  # eager 1 ms vs graph 4 ms
+    for r in rows:
+        if "seconds" in r:
+            assert r["GB/s"] == pytest.approx(shape.kv_bytes / r["seconds"] / 1e9)
+            assert r["% copy BW"] == pytest.approx(r["GB/s"])  # copy bandwidth 100 GB/s
+        else:
+            assert r["note"], "a row without a time must say why"
+    env = {"device_name": "NVIDIA Test GPU", "torch": torch.__version__, "triton": "x", "date": "2026-01-02"}
+    checks = [{"case": "tiny", "splits": 1, "rel_err": 1e-6, "limit": 1e-5, "ok": True}]
+    md = gpu.markdown_report(rows, env, 100.0, checks)
+    json_path, md_path = gpu.write_results(tmp_path, {"environment": env, "rows": rows}, md)
+    assert json_path.name == "gpu-nvidia-test-gpu-2026-01-02.json" and md_path.read_text() == md
+    assert json.loads(json_path.read_text())["rows"][0]["method"] == "triton"
+    assert md.count("\n| 2 | 24 |") == len(gpu.METHODS)
+
+
+def test_gpu_benchmark_correctness_phase():
+    from pagedlib.bench import gpu
+
+    cases = [(torch.float16, 64, 4, 2, [1, 9, 30]), (torch.bfloat16, 80, 8, 1, [17])]
+    checks = gpu.correctness(DEVICE, cases)
+    assert len(checks) == 2 * 3 and all(c["ok"] for c in checks), checks

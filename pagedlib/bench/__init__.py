@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m pagedlib.bench {alloc,attention,gpu} [--json FILE] ...``.
+"""Benchmarks: ``python -m pagedlib.bench {alloc,attention,tracer,gpu} [--json FILE] ...``.
 
 Speed is measured here, never asserted in tests. Each subcommand prints a table and can write JSON
 with the machine and library versions, so figures can be compared across runs.
