@@ -221,19 +221,15 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, n_tokens: int) -> torch.Tens
     return blocks.view(c, n_blocks * block_size, kv_heads, head_dim)[:, :n_tokens]
 
 
-#: ``paged_attention``'s default chunk budget on a CPU: 0, one sequence per chunk. A single sequence's
-#: copy is still in the processor's cache when the matmuls read it, and the batch needs no padding;
-#: ``python -m pagedlib.bench attention`` measures this several times faster than one chunk for the
-#: whole batch (rows ``paged`` and ``paged-whole-batch``).
-CPU_CHUNK_BYTES = 0
-#: ... and elsewhere (GPUs): chunks of up to 64 MiB of gathered K+V, few launches and bounded memory.
 GPU_CHUNK_BYTES = 64 * 2**20
 
 
 def default_chunk_bytes(device: torch.device) -> int:
-    """``paged_attention``'s default ``chunk_bytes`` on ``device``: ``CPU_CHUNK_BYTES`` on a CPU, else
-    ``GPU_CHUNK_BYTES``."""
-    return CPU_CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES
+    """``paged_attention``'s default ``chunk_bytes``. On a CPU 0, one sequence per chunk: its copy is still
+    in the processor's cache when the matmuls read it, and nothing is padded (``python -m pagedlib.bench
+    attention`` measures it several times faster than one chunk for the whole batch). Elsewhere (GPUs)
+    ``GPU_CHUNK_BYTES``: chunks of up to 64 MiB of gathered K+V, few launches, bounded memory."""
+    return 0 if device.type == "cpu" else GPU_CHUNK_BYTES
 
 
 def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,
