@@ -86,7 +86,6 @@ def test_ptx_excerpt_shows_the_k_tile_load(compiled):
     r = _get(compiled, arch=90, dtype="float16", head_dim=128, block_size=16, group=4, split=False)
     excerpt = ptx_excerpt(r["ptx"])
     assert "cp.async" in excerpt or "ld.global" in excerpt
-    assert ptx_excerpt(r["ptx"]) == excerpt  # deterministic: the notebook prints it under nbval
 
 
 def test_what_notebook_05_prints_does_not_depend_on_the_checkout(compiled, tmp_path):
