@@ -173,8 +173,8 @@ def paged_attention(
     lens = seq_lens.tolist()
     bytes_per_token = 2 * kv_heads * head_dim * q.element_size()
     out = torch.empty_like(q)                                                  # [batch, q_heads, D]
-    for run in plan_chunks(lens, block_size, bytes_per_token, chunk_bytes):
-        sl = slice(run.start, run.stop)
+    for chunk in plan_chunks(lens, block_size, bytes_per_token, chunk_bytes):
+        sl = slice(chunk.start, chunk.stop)
         out[sl] = _attend_chunk(q[sl], k_cache, v_cache, block_tables[sl], seq_lens[sl], lens[sl], scale)
     return out
 
