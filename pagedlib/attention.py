@@ -241,6 +241,8 @@ def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,
     within ``chunk_bytes``; a chunk holds at least one sequence. So no copy is larger than
     ``max(chunk_bytes, the longest sequence's own blocks)``, however long or uneven the batch.
     """
+    if not seq_lens:
+        return []
     chunks, start, width = [], 0, 0                     # width: padded tokens per sequence of the chunk
     for i, n in enumerate(seq_lens):
         padded = ceil_div(n, block_size) * block_size
@@ -327,6 +329,9 @@ def contiguous_attention(
     Returns:
         ``[batch, q_heads, q_len, head_dim]``.
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"q must be [batch, q_heads, q_len, head_dim] and k, v both [batch, kv_heads, "
                          f"kv_len, head_dim]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")

@@ -192,8 +192,10 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int
     split at least ``min_tokens_per_split`` tokens long (shorter ones cost more to merge than they save)
     and at most ``max_splits``.
     """
+    batch, kv_heads, max_context, sm_count = (as_int(name, value, minimum=1) for name, value in (
+        ("batch", batch), ("kv_heads", kv_heads), ("max_context", max_context), ("sm_count", sm_count)))
     programs = batch * kv_heads
-    wanted = math.ceil(2 * sm_count / max(programs, 1))
+    wanted = math.ceil(2 * sm_count / programs)
     longest = max(1, max_context // min_tokens_per_split)
     return max(1, min(wanted, longest, max_splits))
 

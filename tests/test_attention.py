@@ -194,6 +194,15 @@ def test_default_chunks_are_bounded_on_every_device() -> None:
             assert copy <= max(budget, longest)
 
 
+def test_a_plan_covers_every_sequence_once() -> None:
+    assert plan_chunks([], 16, 1024, 0) == []
+    for budget in (0, 5000, math.inf):
+        chunks = plan_chunks([1, 40, 7, 16, 3], 16, 8, budget)
+        assert [i for c in chunks for i in c] == [0, 1, 2, 3, 4] and all(len(c) >= 1 for c in chunks)
+    assert len(plan_chunks([1, 40, 7, 16, 3], 16, 8, 0)) == 5
+    assert len(plan_chunks([5] * 5, 16, 8, math.inf)) == 1
+
+
 def test_no_gathered_copy_exceeds_the_budget(monkeypatch) -> None:
     """A hook on the gather records every copy paged_attention makes, with the GPU default budget."""
     sizes = []
@@ -328,6 +337,14 @@ def test_a_bad_scale_is_named(scale) -> None:
 def test_a_bad_chunk_budget_is_named(chunk_bytes) -> None:
     with pytest.raises(ValueError, match="chunk_bytes must be None or a number >= 0"):
         paged_attention(**valid_args(), chunk_bytes=chunk_bytes)
+
+
+def test_contiguous_attention_names_a_bad_argument() -> None:
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="v must be a torch.Tensor, got list"):
+        contiguous_attention(q, k, [[0.0]])
+    with pytest.raises(ValueError, match=r"q_heads \(3\) must be a multiple of kv_heads \(2\)"):
+        contiguous_attention(q[:, :3], k, k)
 
 
 def test_unused_table_entries_are_not_validated() -> None:

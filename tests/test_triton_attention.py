@@ -233,6 +233,15 @@ def test_long_context_small_batch_fills_about_two_waves():
     assert choose_num_splits(batch=1, kv_heads=1, max_context=1 << 20, sm_count=132) == MAX_SPLITS
 
 
+def test_the_split_heuristic_names_a_bad_argument():
+    assert choose_num_splits(np.int64(1), 8, 32768, np.int32(132)) == choose_num_splits(1, 8, 32768, 132)
+    for kw, name in (({"batch": True}, "batch"), ({"kv_heads": 0}, "kv_heads"),
+                     ({"sm_count": 1.5}, "sm_count")):
+        args = {"batch": 1, "kv_heads": 8, "max_context": 4096, "sm_count": 132, **kw}
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            choose_num_splits(**args)
+
+
 def test_splits_stay_long_enough():
     for ctx in (1, 100, 255, 256, 511, 512, 2048):
         n = choose_num_splits(batch=1, kv_heads=1, max_context=ctx, sm_count=132)
