@@ -229,7 +229,6 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[],
 
 
 def run_shape(shape: Shape, pool: Pool, l2_bytes: int, gen: torch.Generator, *, repeats: int = 15,
-              gather_budget_gib: float = 24.0,
               timer: Callable[..., tuple[float, str]] = time_cuda) -> list[dict[str, Any]]:
     """Time every method on one shape; returns one row per method (a skipped one says why in ``note``).
 
@@ -250,12 +249,10 @@ def run_shape(shape: Shape, pool: Pool, l2_bytes: int, gen: torch.Generator, *, 
           .to(shape.dtype), pool.tables(shape, gen)) for _ in range(sets)]  # (q, tables) per input set
     first = paged_attention_triton(x[0][0], pool.k, pool.v, x[0][1], lens)  # validates once (host sync)
     rows = _triton_rows(shape, pool, x, lens, base, timed)
-    if shape.kv_bytes > gather_budget_gib * 2**30:
-        rows.append({**base, "method": "torch gather", "note": f"skipped: a {shape.kv_bytes / 2**30:.0f} GiB "
-                     "copy > gather budget"})
-    else:  # paged_attention validates values and reads seq_lens on the host: not capturable
-        rows.append(timed("torch gather", [lambda q=q, t=t: paged_attention(q, pool.k, pool.v, t, lens)
-                                           for q, t in x], graph=False))
+    # paged_attention (chunks of at most 64 MiB of gathered K/V on a GPU) reads seq_lens on the host: it
+    # cannot be captured in a CUDA graph
+    rows.append(timed("torch gather", [lambda q=q, t=t: paged_attention(q, pool.k, pool.v, t, lens)
+                                       for q, t in x], graph=False))
     sdpa = [sdpa_call(q, *pool.contiguous(t, shape.context)) for q, t in x]
     rows.append(timed("sdpa contiguous", sdpa))
     rows[-1]["note"] += f"; triton rel. diff {rel_error(first, sdpa[0]()):.1e}"
@@ -280,8 +277,7 @@ def _triton_rows(shape: Shape, pool: Pool, x: list[tuple[torch.Tensor, torch.Ten
 
 
 def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] = (512, 4096, 32768), *,
-              pool_gib: float = 8.0, repeats: int = 15, gather_budget_gib: float = 24.0,
-              out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+              pool_gib: float = 8.0, repeats: int = 15, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     """The whole GPU benchmark (see the module docstring); prints each table as it goes and rewrites the
     result files after every shape, so a run cut short keeps what it measured. Returns the payload."""
     import triton
@@ -301,8 +297,7 @@ def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] 
     pool, gen = Pool(pool_gib, Shape(1, 1)), torch.Generator(device="cuda").manual_seed(0)
     for shape in (Shape(b, c) for c in contexts for b in batches):
         t0 = time.perf_counter()
-        new = finish_rows(run_shape(shape, pool, props.L2_cache_size, gen, repeats=repeats,
-                                    gather_budget_gib=gather_budget_gib), copy_gbps)
+        new = finish_rows(run_shape(shape, pool, props.L2_cache_size, gen, repeats=repeats), copy_gbps)
         payload["rows"] += new
         print_table(new, COLUMNS, title=f"batch {shape.batch}, context {shape.context} "
                                         f"({time.perf_counter() - t0:.0f} s)")
@@ -317,8 +312,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 32768])
     parser.add_argument("--pool-gib", type=float, default=8.0, help="K+V pool in GiB (>= 4: far beyond L2)")
     parser.add_argument("--repeats", type=int, default=15, help="timed replays per row (fewer for big rows)")
-    parser.add_argument("--gather-budget-gib", type=float, default=24.0,
-                        help="skip the torch gather path when its gathered copy would exceed this")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
 
 
@@ -331,8 +324,8 @@ def main(args: argparse.Namespace) -> int:
     if interpreting():
         print("TRITON_INTERPRET=1 is set: unset it to benchmark the compiled kernel.", file=sys.stderr)
         return 2
-    payload = benchmark(args.batches, args.contexts, pool_gib=args.pool_gib,
-                        repeats=args.repeats, gather_budget_gib=args.gather_budget_gib, out_dir=args.out_dir)
+    payload = benchmark(args.batches, args.contexts, pool_gib=args.pool_gib, repeats=args.repeats,
+                        out_dir=args.out_dir)
     if not payload["rows"]:
         print("correctness failed: nothing timed", file=sys.stderr)
         return 1
