@@ -309,13 +309,12 @@ def test_gpu_benchmark_pipeline_on_tiny_cpu_tensors(tmp_path):
         assert all(torch.isfinite(o).all() for o in outs)
         return (4e-3 if graph else 1e-3), "cpu stand-in"
 
-    shape = gpu.Shape(batch=2, context=24, q_heads=4, kv_heads=2, head_dim=16, block_size=4,
-                      dtype=torch.float32)
+    shape = gpu.Shape(batch=2, context=24, q_heads=4, kv_heads=2, head_dim=16, block_size=4)  # fp16: flash
     pool = gpu.Pool(0.0002, shape, device=DEVICE)
     rows = gpu.run_shape(shape, pool, 2**16, torch.Generator(device=DEVICE).manual_seed(0), repeats=1,
                          timer=cpu_timer)
     assert [r["method"] for r in rows] == list(gpu.METHODS)
-    assert "triton rel. diff" in rows[-1]["note"] and float(rows[-1]["note"].split()[-1]) < 1e-5
+    assert "triton rel. diff" in rows[-1]["note"] and float(rows[-1]["note"].split()[-1]) < 2e-3
     rows = gpu.finish_rows(rows, copy_gbps=100.0)
     by = {r["method"]: r for r in rows}
     assert by["sdpa contiguous"]["speedup vs SDPA"] == 1.0
