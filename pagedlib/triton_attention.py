@@ -40,7 +40,7 @@ from pagedlib.checks import as_int
 from pagedlib.triton_tools import check_mode, interpreter_lock, interpreting
 
 __all__ = ["MAX_BLOCK_SIZE", "MAX_HEAD_DIM", "MAX_SPLITS", "choose_num_splits", "kernel_config",
-           "launch_decode", "paged_attention_triton"]
+           "launch_decode", "paged_attention_triton", "sm_count"]
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 MAX_HEAD_DIM = 256
