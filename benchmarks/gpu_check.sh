@@ -5,9 +5,15 @@
 # 1. the kernel's correctness tests, compiled on the GPU (the same files CI runs in the interpreter);
 # 2. python -m pagedlib.bench gpu, which checks correctness again, then times the grid and writes
 #    gpu-<device>-<date>.json/.md into OUT_DIR. Both logs land in OUT_DIR too. About 5-7 minutes.
+# Without CUDA it refuses (exit status 2) before running anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh needs python3 with torch and a CUDA GPU, and this machine has none; on a CPU, run" \
+       "make test (the kernel runs through Triton's interpreter there)." >&2
+  exit 2
+fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET

@@ -8,6 +8,7 @@ Modules (each notebook imports from exactly one or two of them):
 - ``attention``         reference, vectorized paged and contiguous attention (notebook 04)
 - ``triton_attention``  the fused Triton decode kernel (notebook 05)
 - ``serving``, ``window``  workloads, the step-level scheduler, sliding windows (notebook 07)
+- ``triton_tools``      Triton's interpreter mode and compiling the kernels for a GPU without one (05)
 - ``plots``, ``bench``, ``notebook``  figures, benchmarks, notebook helpers
 """
 

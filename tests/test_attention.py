@@ -1,58 +1,40 @@
 """Attention through block tables: the vectorized paged path, the per-token reference, the float64 oracle
-and SDPA on contiguous K/V all agree, whatever sits in the slots that hold no token.
+and SDPA on contiguous K/V all agree, whatever sits in the slots that hold no token; bad input gets a
+``ValueError`` naming the argument; inputs are never written; memory stays bounded by ``chunk_bytes``.
 
-Tolerances: the article's absolute ones (fp32 1e-5, fp16 1e-3, bf16 5e-3) with a relative term of about
-one unit in the last place (PyTorch's defaults): for bf16 outputs above 1, one ulp (0.0078) is already
-more than 5e-3, so no implementation could meet an absolute bound alone.
+Tolerances: ``pagedlib.attention.TOLERANCES`` (the article's absolute ones plus about one ulp).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import decode_args, filled_cache
 
+from pagedlib import attention
 from pagedlib.attention import (
+    TOLERANCES,
     check_paged_inputs,
     contiguous_attention,
+    default_chunk_bytes,
     kv_bytes,
     paged_attention,
     paged_attention_oracle,
     paged_prefill_attention,
+    plan_chunks,
     reference_paged_attention,
 )
 from pagedlib.cache import PagedKVCache
 
-TOL = {
-    torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
-    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
-    torch.bfloat16: {"atol": 5e-3, "rtol": 1.6e-2},
-}
-NUM_LAYERS = 2
 
-
-def make_cache(lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-               fill: float = float("nan"), seed: int = 0) -> PagedKVCache:
-    """A cache holding sequences 0..len(lens)-1, blocks handed out in a random order, spare free blocks,
-    and ``fill`` (NaN by default) in every slot that holds no token."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    cache = PagedKVCache(num_blocks, NUM_LAYERS, block_size, kv_heads, head_dim, dtype=dtype,
-                         free_order=order, fill=fill)
-    for s, n in enumerate(lens):
-        cache.add_sequence(s)
-        k, v = torch.randn(2, NUM_LAYERS, n, kv_heads, head_dim, generator=g).to(dtype)
-        cache.append_tokens(s, k, v)
-    return cache
-
-
-def queries(batch: int, q_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
-    """``[num_layers, batch, q_heads, head_dim]``."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(NUM_LAYERS, batch, q_heads, head_dim, generator=g).to(dtype)
+def close(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """``out`` (``dtype``) equals ``want`` (any dtype, e.g. the float64 oracle) at ``dtype``'s tolerance."""
+    torch.testing.assert_close(out.double(), want.double(), **TOLERANCES[dtype])
 
 
 def sdpa_per_sequence(cache: PagedKVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -92,66 +74,55 @@ def case_id(c: tuple) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_paged_matches_oracle_sdpa_and_reference(case: tuple) -> None:
     dtype, q_heads, kv_heads, head_dim, block_size, lens = case
-    cache = make_cache(lens, block_size, kv_heads, head_dim, dtype)
-    q = queries(len(lens), q_heads, head_dim, dtype)
-    seqs = list(range(len(lens)))
-    tables, seq_lens = cache.block_table(seqs), cache.seq_lens_tensor(seqs)
+    cache = filled_cache(lens, block_size, kv_heads, head_dim, dtype)
     outs = []
-    for layer in range(NUM_LAYERS):
-        k_cache, v_cache = cache.layer(layer)                    # strided views of the 5-D pools
-        out = paged_attention(q[layer], k_cache, v_cache, tables, seq_lens)
-        assert out.shape == q[layer].shape and out.dtype == dtype
-        assert torch.isfinite(out).all()
-        oracle = paged_attention_oracle(q[layer], k_cache, v_cache, tables, seq_lens)
-        torch.testing.assert_close(out, oracle, **TOL[dtype])
-        torch.testing.assert_close(out, sdpa_per_sequence(cache, layer, q[layer]), **TOL[dtype])
-        # the whole batch in one masked run (the GPU default) gives the same result
-        whole = paged_attention(q[layer], k_cache, v_cache, tables, seq_lens, chunk_bytes=math.inf)
-        torch.testing.assert_close(whole, oracle, **TOL[dtype])
+    for layer in range(2):
+        args = decode_args(cache, q_heads, layer=layer, seed=layer)
+        q = args[0]
+        out = paged_attention(*args)
+        assert out.shape == q.shape and out.dtype == dtype
+        oracle = paged_attention_oracle(*args)
+        assert oracle.dtype == torch.float64
+        close(out, oracle, dtype)
+        close(out, sdpa_per_sequence(cache, layer, q), dtype)
+        close(paged_attention(*args, chunk_bytes=math.inf), oracle, dtype)  # the whole batch in one chunk
         outs.append(out)
-    for s in seqs:  # the per-token reference does every layer of one sequence at once
-        ref = reference_paged_attention(cache, s, q[:, s, None])  # [num_layers, 1, q_heads, D]
-        torch.testing.assert_close(ref[:, 0], torch.stack(outs)[:, s], **TOL[dtype])
+    queries = torch.stack([decode_args(cache, q_heads, layer=la, seed=la)[0] for la in range(2)])
+    for s in range(len(lens)):  # the per-token reference does every layer of one sequence at once
+        ref = reference_paged_attention(cache, s, queries[:, s, None])  # [num_layers, 1, q_heads, D]
+        close(ref[:, 0], torch.stack(outs)[:, s], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unused_slots_and_padding_cannot_change_the_result(dtype: torch.dtype) -> None:
-    lens, block_size = [3, 9, 1, 16], 4
-    outs = []
+    lens, outs = [3, 9, 1, 16], []
     for fill in (0.0, float("nan"), float("inf"), -float("inf")):
-        cache = make_cache(lens, block_size, 2, 64, dtype, fill=fill)
-        tables = cache.block_table(range(len(lens)), width=6)   # wider than needed: more -1 padding
-        k_cache, v_cache = cache.layer(1)
-        q = queries(len(lens), 4, 64, dtype)[1]
-        lens_t = cache.seq_lens_tensor(range(len(lens)))
+        q, k_cache, v_cache, tables, lens_t = decode_args(filled_cache(lens, 4, 2, 64, dtype, fill=fill), 4,
+                                                          width=6)  # wider than needed: more -1 padding
         # entries past a sequence's last block are never read, even when they are not valid ids
         junk = torch.where(tables < 0, torch.tensor(10**6, dtype=torch.int32), tables)
         for t in (tables, junk):
-            outs.append(paged_attention(q, k_cache, v_cache, t, lens_t))  # one sequence per run (CPU)
-            outs.append(paged_attention(q, k_cache, v_cache, t, lens_t, chunk_bytes=math.inf))  # masked
+            for chunk_bytes in (0, math.inf):  # one sequence per chunk (no mask), then one masked chunk
+                outs.append(paged_attention(q, k_cache, v_cache, t, lens_t, chunk_bytes=chunk_bytes))
     assert torch.isfinite(outs[0]).all()
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
 
 
 def test_chunking_does_not_change_the_result() -> None:
-    lens = [5, 40, 17, 64, 1, 33]
-    cache = make_cache(lens, 16, 2, 64, torch.float32)
-    q = queries(len(lens), 8, 64, torch.float32)[0]
-    args = (q, *cache.layer(0), cache.block_table(range(6)), cache.seq_lens_tensor(range(6)))
+    args = decode_args(filled_cache([5, 40, 17, 64, 1, 33], 16, 2, 64), 8)
     whole = paged_attention(*args, chunk_bytes=math.inf)
-    for chunk_bytes in (1, 40 * 1024, 100 * 1024):              # one sequence per run, then a few
-        torch.testing.assert_close(paged_attention(*args, chunk_bytes=chunk_bytes), whole,
-                                   atol=1e-6, rtol=1e-6)
+    for chunk_bytes in (0, 1, 40 * 1024, 100 * 1024, np.float64(1e5)):  # one sequence per chunk, then more
+        out = paged_attention(*args, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
 
 
 def test_custom_scale() -> None:
-    cache = make_cache([7, 20], 4, 2, 64, torch.float32)
-    q = queries(2, 4, 64, torch.float32)[0]
-    args = (q, *cache.layer(0), cache.block_table([0, 1]), cache.seq_lens_tensor([0, 1]))
+    args = decode_args(filled_cache([7, 20], 4, 2, 64), 4)
     out = paged_attention(*args, scale=0.3)
-    torch.testing.assert_close(out, paged_attention_oracle(*args, scale=0.3), **TOL[torch.float32])
+    close(out, paged_attention_oracle(*args, scale=0.3), torch.float32)
     assert not torch.allclose(out, paged_attention(*args), atol=1e-3)
+    torch.testing.assert_close(paged_attention(*args, scale=np.float32(0.3)), out)
 
 
 def test_article_trace() -> None:
@@ -170,13 +141,13 @@ def test_article_trace() -> None:
     k, v = cache.gather(0)                                       # [1, 9, 2, 64]
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               enable_gqa=True).transpose(1, 2)
-    torch.testing.assert_close(ref, expected, **TOL[torch.float32])
+    close(ref, expected, torch.float32)
 
 
 @pytest.mark.parametrize("dtype,block_size,n", [(torch.float32, 4, 13), (torch.float16, 16, 32),
                                                 (torch.bfloat16, 1, 9), (torch.float32, 32, 1)])
 def test_prefill_is_causal_attention_over_the_prompt(dtype: torch.dtype, block_size: int, n: int) -> None:
-    cache = make_cache([n, 6], block_size, 2, 80, dtype)         # sequence 1 sits beside it in the pool
+    cache = filled_cache([n, 6], block_size, 2, 80, dtype)      # sequence 1 sits beside it in the pool
     k_cache, v_cache = cache.layer(1)
     table = cache.block_table([0], width=cache.num_blocks)[0]  # padded with -1
     q = torch.randn(n, 8, 80, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -184,25 +155,111 @@ def test_prefill_is_causal_attention_over_the_prompt(dtype: torch.dtype, block_s
     k, v = cache.gather(0)
     expected = contiguous_attention(q.transpose(0, 1)[None], k[1].transpose(0, 1)[None],
                                     v[1].transpose(0, 1)[None], causal=True)[0].transpose(0, 1)
-    torch.testing.assert_close(out, expected, **TOL[dtype])
+    close(out, expected, dtype)
     # query i is the decode step of a sequence of length i + 1: the float64 oracle, row by row
     oracle = paged_attention_oracle(q, k_cache, v_cache, table[None].expand(n, -1).contiguous(),
                                     torch.arange(1, n + 1, dtype=torch.int32))
-    torch.testing.assert_close(out, oracle, **TOL[dtype])
+    close(out, oracle, dtype)
     # a chunk of the prompt (its last queries, after earlier tokens) gives the same rows
     tail = max(1, n // 3)
-    chunk = paged_prefill_attention(q[-tail:], k_cache, v_cache, table, n)
-    torch.testing.assert_close(chunk, out[-tail:], **TOL[dtype])
+    close(paged_prefill_attention(q[-tail:], k_cache, v_cache, table, np.int64(n)), out[-tail:], dtype)
+
+
+def test_gradients_flow_through_paged_attention_as_through_sdpa() -> None:
+    cache = filled_cache([6, 11], 4, 2, 16, num_layers=1)
+    q, k_cache, v_cache, tables, lens = decode_args(cache, 4, layer=0)
+    q.requires_grad_(True)
+    paged_attention(q, k_cache, v_cache, tables, lens).square().sum().backward()
+    q2 = q.detach().clone().requires_grad_(True)
+    sdpa_per_sequence(cache, 0, q2).square().sum().backward()
+    torch.testing.assert_close(q.grad, q2.grad, atol=1e-5, rtol=1e-5)
+    assert not cache.k.requires_grad and cache.k.grad is None
+
+
+# --- memory: every chunk's copy is bounded, on every device -----------------------------------------
+
+
+def test_default_chunks_are_bounded_on_every_device() -> None:
+    # 32 sequences, one of 4,096 tokens: padding every sequence to the longest would copy 32x 4,096 tokens
+    lens = [4096] + [16] * 31
+    bytes_per_token = 2 * 8 * 128 * 2                  # K and V, 8 KV heads, head_dim 128, fp16
+    longest = 4096 * bytes_per_token
+    for device in ("cpu", "cuda", "mps"):
+        budget = default_chunk_bytes(torch.device(device))
+        assert budget < math.inf
+        chunks = plan_chunks(lens, 16, bytes_per_token, budget)
+        assert [i for c in chunks for i in c] == list(range(32))       # every sequence once, in order
+        for c in chunks:
+            copy = len(c) * max(math.ceil(lens[i] / 16) * 16 for i in c) * bytes_per_token
+            assert copy <= max(budget, longest)
+
+
+def test_a_plan_covers_every_sequence_once() -> None:
+    assert plan_chunks([], 16, 1024, 0) == []
+    for budget in (0, 5000, math.inf):
+        chunks = plan_chunks([1, 40, 7, 16, 3], 16, 8, budget)
+        assert [i for c in chunks for i in c] == [0, 1, 2, 3, 4] and all(len(c) >= 1 for c in chunks)
+    assert len(plan_chunks([1, 40, 7, 16, 3], 16, 8, 0)) == 5
+    assert len(plan_chunks([5] * 5, 16, 8, math.inf)) == 1
+
+
+def test_no_gathered_copy_exceeds_the_budget(monkeypatch) -> None:
+    """A hook on the gather records every copy paged_attention makes, with the GPU default budget."""
+    sizes = []
+    gather = attention._gather
+
+    def recording(cache, ids, n_tokens):
+        out = gather(cache, ids, n_tokens)
+        sizes.append(ids.numel() * cache[0].numel() * cache.element_size())
+        return out
+
+    monkeypatch.setattr(attention, "_gather", recording)
+    monkeypatch.setattr(attention, "GPU_CHUNK_BYTES", 64 * 1024)
+    lens = [300] + [4] * 40 + [90] * 20
+    args = decode_args(filled_cache(lens, 4, 2, 64, num_layers=1), 4, layer=0)
+    out = paged_attention(*args, chunk_bytes=default_chunk_bytes(torch.device("cuda")))
+    per_token = 2 * 2 * 64 * 4                                     # K and V, 2 KV heads, fp32
+    assert max(sizes) <= max(64 * 1024 / 2, 300 * per_token / 2)  # each pool's copy: half of K+V
+    assert len(sizes) < 2 * len(lens)                               # and not one chunk per sequence
+    torch.testing.assert_close(out, paged_attention(*args, chunk_bytes=math.inf))
+
+
+# --- contracts: inputs are read only; threads ------------------------------------------------------
+
+
+def test_no_function_writes_its_inputs() -> None:
+    cache = filled_cache([5, 12], 4, 2, 16)
+    args = decode_args(cache, 4)
+    before = [t.clone() for t in args] + [cache.k.clone(), cache.v.clone()]
+    paged_attention(*args)
+    paged_attention(*args, chunk_bytes=math.inf)
+    paged_attention_oracle(*args)
+    paged_prefill_attention(torch.randn(5, 4, 16), *args[1:3], args[3][0], 5)
+    reference_paged_attention(cache, 1, torch.randn(2, 1, 4, 16))
+    for old, new in zip(before, [*args, cache.k, cache.v]):
+        torch.testing.assert_close(new, old, rtol=0, atol=0, equal_nan=True)
+
+
+def test_threads_may_call_paged_attention_at_once() -> None:
+    jobs = [decode_args(filled_cache([9, 30, 2], 4, 2, 32, seed=s), 4, seed=s) for s in range(4)]
+    want = [paged_attention(*a) for a in jobs]
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+    work = lambda i: got[i].extend(paged_attention(*jobs[i]) for _ in range(20))
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert len(got[i]) == 20 and all(torch.equal(o, want[i]) for o in got[i])
 
 
 # --- validation -------------------------------------------------------------------------------------
 
 
 def valid_args() -> dict:
-    cache = make_cache([5, 12], 4, 2, 64, torch.float32)
-    k_cache, v_cache = cache.layer(0)
-    return {"q": torch.randn(2, 4, 64), "k_cache": k_cache, "v_cache": v_cache,
-            "block_tables": cache.block_table([0, 1]), "seq_lens": cache.seq_lens_tensor([0, 1])}
+    q, k_cache, v_cache, tables, lens = decode_args(filled_cache([5, 12], 4, 2, 64), 4, layer=0)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables, "seq_lens": lens}
 
 
 def test_check_paged_inputs_returns_the_geometry() -> None:
@@ -211,18 +268,24 @@ def test_check_paged_inputs_returns_the_geometry() -> None:
 
 BAD = [
     ("q", lambda a: a["q"][0], "q must have shape"),
+    ("q", lambda a: a["q"][:, None].expand(2, 3, 4, 64), r"q must have shape .* paged_prefill_attention"),
+    ("q", lambda a: a["q"][:1], r"q must hold one query token per sequence, \[batch=2"),
+    ("q", lambda a: a["q"].repeat(3, 1, 1), r"q must hold one query token per sequence, \[batch=2"),
     ("q", lambda a: a["q"][:, :, :32], "head_dim"),
     ("q", lambda a: a["q"][:, :3], "multiple of"),
     ("q", lambda a: a["q"].to(torch.int64), "dtype"),
-    ("q", lambda a: a["q"].double(), "k_cache must have q's dtype"),
+    ("q", lambda a: a["q"].double(), "q must have a dtype in"),
     ("q", lambda a: a["q"][:0], "batch"),
     ("q", lambda a: a["q"].to("meta"), "on q's device"),
+    ("q", lambda a: a["q"].numpy(), "q must be a dense torch.Tensor, got ndarray"),
     ("k_cache", lambda a: a["k_cache"][0], "k_cache must have shape"),
+    ("k_cache", lambda a: a["k_cache"].to_sparse(), "k_cache must be a dense torch.Tensor"),
+    ("k_cache", lambda a: a["k_cache"].half(), "k_cache must have q's dtype"),
     ("v_cache", lambda a: a["v_cache"][:, :2], "v_cache must have k_cache's shape"),
     ("v_cache", lambda a: a["v_cache"].half(), "v_cache must have q's dtype"),
     ("block_tables", lambda a: a["block_tables"].long(), "block_tables must be an int32"),
-    ("block_tables", lambda a: a["block_tables"][:1], "block_tables must be an int32"),
-    ("block_tables", lambda a: a["block_tables"].tolist(), "block_tables must be a torch.Tensor"),
+    ("block_tables", lambda a: a["block_tables"][:1], "block_tables and seq_lens must describe the same"),
+    ("block_tables", lambda a: a["block_tables"].tolist(), "block_tables must be a dense torch.Tensor"),
     ("seq_lens", lambda a: a["seq_lens"].long(), "seq_lens must be an int32"),
     ("seq_lens", lambda a: a["seq_lens"][None], "seq_lens must be an int32"),
     ("seq_lens", lambda a: torch.tensor([0, 12], dtype=torch.int32), r"seq_lens\[0\] = 0"),
@@ -242,6 +305,46 @@ def test_bad_inputs_raise_a_clear_value_error(name: str, mutate, message: str) -
         check_paged_inputs(**args)
     with pytest.raises(ValueError, match=message):
         paged_attention(**args)
+    with pytest.raises(ValueError, match=message):
+        paged_attention_oracle(**args)
+
+
+@pytest.mark.parametrize("dim,what", [(1, "block_size"), (2, "kv_heads"), (3, "head_dim")])
+def test_an_empty_cache_dimension_is_named(dim: int, what: str) -> None:
+    args = valid_args()
+    for name in ("k_cache", "v_cache"):
+        args[name] = args[name].narrow(dim, 0, 0)
+    if what == "head_dim":
+        args["q"] = args["q"][..., :0]
+    with pytest.raises(ValueError, match=rf"k_cache's {what} \(dim {dim}\) must be >= 1"):
+        paged_attention(**args)
+
+
+@pytest.mark.parametrize("scale", ["x", True, float("nan"), -1.0, 0, float("inf"), torch.tensor(0.1)])
+def test_a_bad_scale_is_named(scale) -> None:
+    args = valid_args()
+    q, k_cache, v_cache, tables, lens = args.values()
+    calls = [lambda: paged_attention(**args, scale=scale),
+             lambda: paged_attention_oracle(**args, scale=scale),
+             lambda: paged_prefill_attention(q[:1], k_cache, v_cache, tables[0], 5, scale=scale),
+             lambda: contiguous_attention(q[:, :, None], q[:, :2, None], q[:, :2, None], scale=scale)]
+    for call in calls:
+        with pytest.raises(ValueError, match="scale must be None or a finite number > 0"):
+            call()
+
+
+@pytest.mark.parametrize("chunk_bytes", [-1, float("nan"), "64", True])
+def test_a_bad_chunk_budget_is_named(chunk_bytes) -> None:
+    with pytest.raises(ValueError, match="chunk_bytes must be None or a number >= 0"):
+        paged_attention(**valid_args(), chunk_bytes=chunk_bytes)
+
+
+def test_contiguous_attention_names_a_bad_argument() -> None:
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="v must be a torch.Tensor, got list"):
+        contiguous_attention(q, k, [[0.0]])
+    with pytest.raises(ValueError, match=r"q_heads \(3\) must be a multiple of kv_heads \(2\)"):
+        contiguous_attention(q[:, :3], k, k)
 
 
 def test_unused_table_entries_are_not_validated() -> None:
@@ -252,24 +355,31 @@ def test_unused_table_entries_are_not_validated() -> None:
     assert torch.equal(paged_attention(**args), expected)
 
 
-def test_reference_and_prefill_reject_bad_shapes() -> None:
-    cache = make_cache([5], 4, 2, 64, torch.float32)
+def test_reference_and_prefill_reject_bad_input() -> None:
+    cache = filled_cache([5], 4, 2, 64)
     with pytest.raises(ValueError, match="num_layers=2, 1, q_heads"):
         reference_paged_attention(cache, 0, torch.randn(2, 2, 4, 64))
     with pytest.raises(ValueError, match="multiple of"):
         reference_paged_attention(cache, 0, torch.randn(2, 1, 3, 64))
     with pytest.raises(KeyError):
         reference_paged_attention(cache, 7, torch.randn(2, 1, 4, 64))
-    table = cache.block_table([0])[0]
-    with pytest.raises(ValueError, match="seq_len must be an int >= n = 5"):
-        paged_prefill_attention(torch.randn(5, 4, 64), *cache.layer(0), table, 4)
-    with pytest.raises(ValueError, match="block_table must be a 1-D"):
-        paged_prefill_attention(torch.randn(5, 4, 64), *cache.layer(0), table[None], 5)
+    table, q = cache.block_table([0])[0], torch.randn(5, 4, 64)
+    for seq_len, message in [(4, "seq_len must be >= n = 5"), (True, "seq_len must be an int, got a bool"),
+                             (5.0, "seq_len must be an int")]:
+        with pytest.raises(ValueError, match=message):
+            paged_prefill_attention(q, *cache.layer(0), table, seq_len)
+    with pytest.raises(ValueError, match=r"block_table must be a 1-D int32 tensor \[max_blocks\], got"):
+        paged_prefill_attention(q, *cache.layer(0), table[None], 5)
+    with pytest.raises(ValueError, match="block_table must be a 1-D int32"):
+        paged_prefill_attention(q, *cache.layer(0), table.long(), 5)
 
 
 def test_kv_bytes_is_the_bytes_of_k_and_v_read() -> None:
     assert kv_bytes([3, 5], kv_heads=2, head_dim=4, dtype=torch.float16) == 2 * 8 * 2 * 4 * 2
     assert kv_bytes(torch.tensor([1024] * 16), 8, 128, torch.float32) == 2 * 16 * 1024 * 8 * 128 * 4
+    assert kv_bytes([np.int32(2**30)] * 4, np.int32(8), 128, torch.float16) == 2 * 2**32 * 8 * 128 * 2
+    with pytest.raises(ValueError, match="must be >= 0"):
+        kv_bytes([-3], 2, 4, torch.float16)
 
 
 def test_benchmark_command_writes_json(tmp_path) -> None:
@@ -278,16 +388,17 @@ def test_benchmark_command_writes_json(tmp_path) -> None:
     from pagedlib.bench.__main__ import main
 
     path = tmp_path / "attention.json"
-    argv = ["attention", "--quick", "--batch", "2", "--context", "24", "--q-heads", "4", "--kv-heads", "2",
+    argv = ["attention", "--batch", "2", "--context", "24", "--q-heads", "4", "--kv-heads", "2",
             "--head-dim", "16", "--block-sizes", "1", "8", "--contexts", "8", "24", "--repeats", "2",
             "--json", str(path)]
     assert main(argv) == 0
     result = json.loads(path.read_text())
-    assert result["environment"]["torch"] == torch.__version__
-    assert result["config"]["head_dim"] == 16
+    assert result["environment"]["torch"] == torch.__version__ and result["config"]["head_dim"] == 16
     impls = {(r["phase"], r["impl"]) for r in result["decode"] + result["prefill"]}
     assert impls == {("decode", "reference"), ("decode", "paged"), ("decode", "paged-whole-batch"),
                      ("decode", "contiguous"), ("prefill", "paged"), ("prefill", "contiguous")}
     assert [r["block_size"] for r in result["block_size_sweep"]] == [1, 1, 8, 8]
     assert [r["context"] for r in result["context_sweep"]] == [8, 8, 24, 24]
-    assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in result["decode"])
+    for r in result["decode"] + result["prefill"]:  # speedup: contiguous time / time, at the same point
+        base = next(b for b in result[r["phase"]] if b["impl"] == "contiguous" and b["batch"] == r["batch"])
+        assert r["speedup"] == pytest.approx(base["ms"] / r["ms"])

@@ -20,7 +20,7 @@ import pagedlib  # noqa: F401  (first: it picks Triton's mode before triton's fi
 
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
 
-from pagedlib.triton_attention import compile_for_gpu_many, ptx_excerpt, ptx_instructions
+from pagedlib.triton_tools import compile_for_gpu_many, ptx_excerpt, ptx_instructions
 
 # (dtype, head_dim, block_size, group, split): every dtype, the real head dims, block sizes 1..128
 DECODE = [
@@ -86,7 +86,6 @@ def test_ptx_excerpt_shows_the_k_tile_load(compiled):
     r = _get(compiled, arch=90, dtype="float16", head_dim=128, block_size=16, group=4, split=False)
     excerpt = ptx_excerpt(r["ptx"])
     assert "cp.async" in excerpt or "ld.global" in excerpt
-    assert ptx_excerpt(r["ptx"]) == excerpt  # deterministic: the notebook prints it under nbval
 
 
 def test_what_notebook_05_prints_does_not_depend_on_the_checkout(compiled, tmp_path):
@@ -97,7 +96,7 @@ def test_what_notebook_05_prints_does_not_depend_on_the_checkout(compiled, tmp_p
     shutil.copytree(Path(__file__).resolve().parents[1] / "pagedlib", clone / "pagedlib",
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = ("import json, torch\n"
-            "from pagedlib.triton_attention import compile_for_gpu\n"
+            "from pagedlib.triton_tools import compile_for_gpu\n"
             "print(json.dumps(compile_for_gpu(90, dtype='float16', head_dim=128, block_size=16, group=4)))\n")
     env = {**os.environ, "PYTHONPATH": str(clone), "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True,

@@ -1,4 +1,8 @@
-"""Timing and reporting helpers shared by every benchmark."""
+"""Timing and reporting helpers shared by every benchmark.
+
+Ratios follow one convention everywhere: ``speedup = baseline_time / time``, "x faster than the baseline"
+(> 1 is faster), as computed by ``speedup``.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,8 @@ from typing import Any
 import torch
 
 #: dtype names the benchmark commands accept (``--dtype``), and the torch dtypes they stand for.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                  "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -42,53 +45,41 @@ class Timing:
         return (q[2] - q[0]) / self.median
 
 
-def _sync(device: torch.device | str | None) -> None:
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+def speedup(baseline_seconds: float, seconds: float) -> float:
+    """How many times faster than the baseline (> 1: faster; 0.5: twice as slow)."""
+    return baseline_seconds / seconds
 
 
-def time_fn(
-    fn: Callable[[], Any],
-    *,
-    repeats: int = 20,
-    warmup: int = 3,
-    min_time: float = 0.0,
-    device: torch.device | str | None = None,
-) -> Timing:
-    """Call ``fn`` ``warmup`` times, then time ``repeats`` calls (more if ``min_time`` seconds are
-    not yet spent). CUDA work is synchronised around every call.
-    """
+def time_fn(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_time: float = 0.0,
+            device: torch.device | str | None = None) -> Timing:
+    """Call ``fn`` ``warmup`` times, then time ``repeats`` calls (more if ``min_time`` seconds are not yet
+    spent). CUDA work is synchronised around every call."""
+    cuda = device is not None and torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
-    _sync(device)
     samples: list[float] = []
-    start_all = time.perf_counter()
-    while len(samples) < repeats or time.perf_counter() - start_all < min_time:
+    start = time.perf_counter()
+    while len(samples) < repeats or time.perf_counter() - start < min_time:
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        if cuda:
+            torch.cuda.synchronize()
         samples.append(time.perf_counter() - t0)
     return Timing(tuple(samples))
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     """What a benchmark figure depends on: device, library versions, threads."""
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-    }
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "platform": platform.platform(),
+                            "processor": platform.processor() or platform.machine(),
+                            "torch_threads": torch.get_num_threads(), "device": str(device)}
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(
-            device_name=props.name,
-            sm_count=props.multi_processor_count,
-            capability=f"{props.major}.{props.minor}",
-            cuda=torch.version.cuda,
-        )
+        info.update(device_name=props.name, sm_count=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
     try:
         import triton
 
@@ -98,24 +89,30 @@ def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     return info
 
 
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    return "" if v is None else str(v)
+
+
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str | None = None) -> str:
     """Format ``rows`` as an aligned text table (also returned), printing it."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = []
-    if title:
-        lines.append(title)
+    lines = [title] if title else []
     lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     lines.append("  ".join("-" * w for w in widths))
     lines.extend("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
     text = "\n".join(lines)
     print(text)
     return text
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """``rows`` as a markdown table (numbers formatted as ``print_table`` does)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
