@@ -130,6 +130,8 @@ class PagedKVCache:
         self.kv_heads = as_int("kv_heads", kv_heads, minimum=1)
         self.head_dim = as_int("head_dim", head_dim, minimum=1)
         self.dtype = _check_dtype_and_fill(dtype, fill)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         shape = (self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim)
         _check_room(shape, dtype, device)
         self.free: list[int] = self._initial_free_stack(free_order)
@@ -140,8 +142,6 @@ class PagedKVCache:
         self.seq_lens: dict[Hashable, int] = {}
         self.ref_counts = [0] * self.num_blocks
         self.cow_copies = 0
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
         self.token_ids: dict[Hashable, list[int]] = {}
         self._layer_rows = torch.arange(self.num_layers, device=self.device)[:, None] * self.block_size
@@ -614,11 +614,7 @@ class PagedKVCache:
     @_locked
     def block_holders(self) -> list[list[Hashable]]:
         """``holders[b]``: every sequence holding block ``b`` (``ref_count(b)`` of them), in table order."""
-        holders: list[list[Hashable]] = [[] for _ in range(self.num_blocks)]
-        for s, table in self.tables.items():
-            for b in table:
-                holders[b].append(s)
-        return holders
+        return [[s for s, _ in hs] for hs in self._holders()]
 
     @_locked
     def fill_unused(self, value: float = float("nan")) -> None:
