@@ -303,12 +303,13 @@ class PagedKVCache:
         bs, copy = self.block_size, self._copy_on_write(seq_ids, counts)
         grow = [ceil_div(self.seq_lens[s] + n, bs) - len(self.tables[s]) for s, n in zip(seq_ids, counts)]
         taken = self._take_blocks(sum(copy) + sum(grow), what)
-        fresh, new_blocks, copies, slots = iter(taken), [], [], []
+        new_blocks, copies, slots, used = [], [], [], 0
         for s, n, c, g in zip(seq_ids, counts, copy, grow):
-            new, table, start = [next(fresh) for _ in range(c + g)], self.tables[s], self.seq_lens[s]
+            new, table, start = taken[used:used + c + g], self.tables[s], self.seq_lens[s]
+            used += c + g
             if c:
                 copies.append((table[-1], new[0]))
-            slots += _slots(table[start // bs:len(table) - c] + new, start, start + n, bs)
+            slots += _slots(table[start // bs:len(table) - c] + new, start, start + n, bs)  # where they land
             new_blocks.append(new)
         self._write(slots, k, v, copies, taken)
         self._commit(seq_ids, counts, new_blocks, copy, token_ids)
