@@ -3,7 +3,8 @@
 Modules (each notebook imports from exactly one or two of them):
 
 - ``sizing``            KV-cache memory math and model presets (notebook 01)
-- ``cache``             ``PagedKVCache``: block pool, free stack, block tables (notebook 02)
+- ``cache``             ``PagedKVCache``: block pool, free stack, block tables (02), sharing blocks (06)
+- ``prefix_cache``      block keys and LRU eviction for prefix caching (notebook 06)
 - ``tracer``            ``BlockTableTracer`` widget (notebook 03)
 - ``attention``         reference, vectorized paged and contiguous attention (notebook 04)
 - ``triton_attention``  the fused Triton decode kernel (notebook 05)

@@ -6,8 +6,11 @@ The layout is the article's (notebook 02)::
 
 Token position ``p`` of sequence ``s`` lives in physical block ``tables[s][p // block_size]`` at offset
 ``p % block_size``, for every layer at once. Free blocks sit on a stack (a Python list): ``pop()`` takes the
-top (the *last* element), ``append()`` gives a block back; both O(1), which is why a stack. The file reads
-as the story: free stack -> add / append / free -> slot / block_table / gather -> checks and display.
+top (the *last* element), ``append()`` gives a block back; both O(1), which is why a stack. Blocks can be
+shared (notebook 06): each has a reference count, a sequence that writes into a shared block first copies
+it (copy-on-write), and with prefix caching full blocks are found again by content (``prefix_cache.py``).
+The file reads as the story: free stack and reference counts -> add / fork / append / free -> slot /
+block_table / gather -> checks and display.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import math
 import os
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from pagedlib.checks import as_int, ceil_div
+from pagedlib.prefix_cache import PrefixCache
 from pagedlib.sizing import format_bytes
 
 __all__ = ["SUPPORTED_DTYPES", "InvariantError", "OutOfBlocksError", "PagedKVCache", "Slot",
@@ -91,12 +96,19 @@ class PagedKVCache:
             valid ids; any block not listed follows in ascending order. Default: ``0, 1, 2, ...``. It is
             how notebook 02 reproduces the article's trace (``free_order=[5, 2, 9]``).
         fill: initial value of every slot. Slots that hold no token may contain anything (NaN included).
+        enable_prefix_caching: keep full blocks findable by their token ids (see ``add_sequence``); token
+            ids then come with every append.
 
     State (read freely, change only through the methods):
         k, v: ``[num_blocks, num_layers, block_size, kv_heads, head_dim]`` pools.
         free: the free-block stack, a ``list[int]``; the top (next block handed out) is ``free[-1]``.
         tables: ``dict[seq_id, list[int]]`` physical block ids of each sequence, in logical order.
         seq_lens: ``dict[seq_id, int]`` tokens stored per sequence.
+        ref_counts: ``list[int]``, tables holding each block (0: free). ``cow_copies``: blocks copied so far.
+        prefix_cache: the ``PrefixCache`` (or ``None``); ``token_ids[seq_id]`` the tokens of each sequence.
+
+    Free blocks are handed out plain ones first (top of the stack), then, with prefix caching, cached
+    blocks nobody holds, least recently used first (``prefix_cache.free_queue``): they are evicted.
 
     Contract:
         Atomic: every method checks all its arguments (ids, shapes, dtypes, devices, layouts, free blocks)
@@ -110,13 +122,16 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 free_order: Sequence[int] | None = None, fill: float = 0.0) -> None:
+                 free_order: Sequence[int] | None = None, fill: float = 0.0,
+                 enable_prefix_caching: bool = False) -> None:
         self.num_blocks = as_int("num_blocks", num_blocks, minimum=1, maximum=2**31 - 1)  # int32 tables
         self.num_layers = as_int("num_layers", num_layers, minimum=1)
         self.block_size = as_int("block_size", block_size, minimum=1)
         self.kv_heads = as_int("kv_heads", kv_heads, minimum=1)
         self.head_dim = as_int("head_dim", head_dim, minimum=1)
         self.dtype = _check_dtype_and_fill(dtype, fill)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         shape = (self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim)
         _check_room(shape, dtype, device)
         self.free: list[int] = self._initial_free_stack(free_order)
@@ -125,6 +140,10 @@ class PagedKVCache:
         self.device = self.k.device  # normalised ("cuda" -> "cuda:0")
         self.tables: dict[Hashable, list[int]] = {}
         self.seq_lens: dict[Hashable, int] = {}
+        self.ref_counts = [0] * self.num_blocks
+        self.cow_copies = 0
+        self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
+        self.token_ids: dict[Hashable, list[int]] = {}
         self._layer_rows = torch.arange(self.num_layers, device=self.device)[:, None] * self.block_size
         self._lock = threading.RLock()
 
@@ -137,53 +156,99 @@ class PagedKVCache:
         return order[::-1]  # the stack's top is its last element: reverse so order[0] is popped first
 
     # ---------------------------------------------------------------------------------------------
-    # ownership: the only two places that move blocks between the free stack and the sequences
+    # ownership: the only places that change reference counts and move blocks in and out of the free pool
 
     def _take_blocks(self, n: int, what: str) -> list[int]:
-        """Pop ``n`` blocks off the free stack (all or none), in the order they come off."""
-        if n > len(self.free):
-            raise OutOfBlocksError(n, len(self.free), what)
-        taken = self.free[len(self.free) - n:][::-1]
-        del self.free[len(self.free) - n:]
+        """Take ``n`` free blocks (all or none), each with a reference count of 1: off the top of the
+        stack first, then, when it is empty, the least recently used cached blocks (evicted)."""
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(n, self.num_free_blocks, what)
+        plain = min(n, len(self.free))
+        taken = self.free[len(self.free) - plain:][::-1]
+        del self.free[len(self.free) - plain:]
+        taken += [self.prefix_cache.evict() for _ in range(n - plain)]  # type: ignore[union-attr]
+        for b in taken:
+            self.ref_counts[b] = 1
         return taken
 
-    def _release_blocks(self, blocks: Sequence[int]) -> None:
-        """Push ``blocks`` back so that ``blocks[0]`` ends on top (undoes ``_take_blocks`` exactly)."""
-        self.free.extend(reversed(blocks))
+    def _share_blocks(self, blocks: Sequence[int]) -> None:
+        """One more table holds each of ``blocks`` (a fork, a prefix-cache hit)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                self.prefix_cache.reuse(b)  # type: ignore[union-attr]  # only cached blocks are found free
+            self.ref_counts[b] += 1
+
+    def _release_blocks(self, blocks: Sequence[int]) -> list[int]:
+        """One table fewer holds each of ``blocks``; those nobody holds any more go back, ``blocks[0]`` last
+        (on top of the stack, or most recently used in the cache's queue). Returns them, in order."""
+        freed = []
+        for b in reversed(blocks):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                freed.append(b)
+                if self.prefix_cache is None or not self.prefix_cache.release(b):
+                    self.free.append(b)
+        return freed[::-1]
 
     # ---------------------------------------------------------------------------------------------
     # write side
 
     @_locked
-    def add_sequence(self, seq_id: Hashable) -> None:
-        """Register an empty sequence (no blocks yet). ``ValueError`` if ``seq_id`` is live or ``None``."""
-        if seq_id is None:
-            raise ValueError("seq_id must not be None (block_owners() uses None for a free block)")
-        if seq_id in self.seq_lens:  # also the TypeError of an unhashable id, before anything changes
-            raise ValueError(f"sequence id {seq_id!r} already exists")
-        self.tables[seq_id] = []
-        self.seq_lens[seq_id] = 0
+    def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
+        """Register a sequence. ``ValueError`` if ``seq_id`` is live or ``None``.
+
+        Without prefix caching (or without ``prompt_token_ids``) it starts empty and 0 is returned. With
+        it, the longest run of full leading blocks of the prompt that the cache holds is attached (shared,
+        no K/V computed) and the number of tokens found is returned: a multiple of ``block_size``, at most
+        ``len(prompt_token_ids) - 1``. The caller appends K/V for the remaining prompt tokens only.
+        """
+        self._check_new_id("seq_id", seq_id)
+        prompt = [] if prompt_token_ids is None else _token_list("prompt_token_ids", prompt_token_ids)
+        found = self.prefix_cache.lookup(prompt) if self.prefix_cache and prompt else []
+        self._share_blocks(found)
+        self.tables[seq_id] = found
+        self.seq_lens[seq_id] = len(found) * self.block_size
+        self.token_ids[seq_id] = prompt[:self.seq_lens[seq_id]] if self.prefix_cache else []
+        return self.seq_lens[seq_id]
 
     @_locked
-    def append_tokens(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> list[int]:
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """A new sequence ``child_id`` that shares every block of ``parent_id`` (reference counts + 1, no
+        K/V copied): parallel sampling and beam search. ``KeyError`` for an unknown parent, ``ValueError``
+        for a live (or ``None``) child id. The first write into a shared block copies it (copy-on-write)."""
+        self._check_seq(parent_id)
+        self._check_new_id("child_id", child_id)
+        self._share_blocks(self.tables[parent_id])
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.seq_lens[child_id] = self.seq_lens[parent_id]
+        self.token_ids[child_id] = list(self.token_ids[parent_id])
+
+    @_locked
+    def append_tokens(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor,
+                      token_ids: Sequence[int] | None = None) -> list[int]:
         """Append ``n`` tokens (a prompt) at once, allocating every block they need up front.
 
         Args:
             k, v: ``[num_layers, n, kv_heads, head_dim]``.
+            token_ids: the ``n`` token ids (required with prefix caching).
         Returns:
-            the newly allocated block ids, in logical order (empty if the last block had room).
+            the newly allocated block ids, in logical order (empty if the last block had room); the first
+            is a copy of the old last block if that block was shared.
         """
         self._check_seq(seq_id)
         self._check_kv("k", k, (self.num_layers, None, self.kv_heads, self.head_dim))
         self._check_kv("v", v, (self.num_layers, k.shape[1], self.kv_heads, self.head_dim))
-        return self._append(seq_id, k, v)
+        n, ids = k.shape[1], self._check_token_ids("token_ids", token_ids, k.shape[1])
+        return self._append([seq_id], [n], k, v, ids, f"{n} tokens of sequence {seq_id!r}")[0]
 
     @_locked
-    def append_token(self, seq_id: Hashable, k_vec: torch.Tensor, v_vec: torch.Tensor) -> Slot:
+    def append_token(self, seq_id: Hashable, k_vec: torch.Tensor, v_vec: torch.Tensor,
+                     token_id: int | None = None) -> Slot:
         """Append one token's K and V for every layer: ``append_tokens`` of one token.
 
         Args:
             k_vec, v_vec: ``[num_layers, kv_heads, head_dim]``.
+            token_id: its token id (required with prefix caching).
         Returns:
             the ``Slot(block, offset)`` written; a new block was popped iff ``offset == 0``.
         """
@@ -191,30 +256,24 @@ class PagedKVCache:
         shape, dims = (self.num_layers, self.kv_heads, self.head_dim), "[num_layers, kv_heads, head_dim]"
         self._check_kv("k_vec", k_vec, shape, dims)
         self._check_kv("v_vec", v_vec, shape, dims)
-        self._append(seq_id, k_vec[:, None], v_vec[:, None])                 # [num_layers, 1, H, D]
+        token = None if token_id is None else [as_int("token_id", token_id, minimum=0)]
+        ids = self._check_token_ids("token_id", token, 1)
+        self._append([seq_id], [1], k_vec[:, None], v_vec[:, None], ids, f"sequence {seq_id!r}")  # [L,1,H,D]
         return Slot(self.tables[seq_id][-1], (self.seq_lens[seq_id] - 1) % self.block_size)
 
-    def _append(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> list[int]:
-        """``append_tokens`` once its arguments are checked: take the blocks, write, then commit."""
-        n, start, table = k.shape[1], self.seq_lens[seq_id], self.tables[seq_id]
-        new = self._take_blocks(ceil_div(start + n, self.block_size) - len(table),
-                                f"{n} tokens of sequence {seq_id!r}")
-        self._write(_slots(table + new, start, start + n, self.block_size), k, v, new)
-        table += new
-        self.seq_lens[seq_id] = start + n
-        return new
-
     @_locked
-    def append_batch(self, seq_ids: Sequence[Hashable], k: torch.Tensor, v: torch.Tensor) -> list[Slot]:
+    def append_batch(self, seq_ids: Sequence[Hashable], k: torch.Tensor, v: torch.Tensor,
+                     token_ids: Sequence[int] | None = None) -> list[Slot]:
         """One decode step: append one token to each of ``batch`` distinct sequences.
 
-        All needed blocks are popped up front (all or nothing), then K and V of every layer are written
+        All needed blocks are taken up front (all or nothing), then K and V of every layer are written
         with one indexed write per pool through flat slot ids ``block * block_size + offset`` (the
         ``slot_mapping`` of vLLM's ``reshape_and_cache``).
 
         Args:
             seq_ids: ``batch`` distinct live sequence ids, in the order of ``k``'s batch dim.
             k, v: ``[num_layers, batch, kv_heads, head_dim]``.
+            token_ids: the ``batch`` new token ids (required with prefix caching).
         Returns:
             the ``Slot(block, offset)`` written for each sequence, in order.
         """
@@ -225,16 +284,65 @@ class PagedKVCache:
         shape, dims = (self.num_layers, len(ids), self.kv_heads, self.head_dim), "[num_layers, batch, H, D]"
         self._check_kv("k", k, shape, dims)
         self._check_kv("v", v, shape, dims)
-        bs = self.block_size
-        offsets = [self.seq_lens[s] % bs for s in ids]
-        new = self._take_blocks(offsets.count(0), f"a batch of {len(ids)} sequences")
-        fresh = iter(new)
-        blocks = [next(fresh) if off == 0 else self.tables[s][-1] for s, off in zip(ids, offsets)]
-        self._write([b * bs + off for b, off in zip(blocks, offsets)], k, v, new)  # vLLM's slot_mapping
-        for s, b, off in zip(ids, blocks, offsets):
-            self.tables[s] += [b] if off == 0 else []
-            self.seq_lens[s] += 1
-        return [Slot(b, off) for b, off in zip(blocks, offsets)]
+        tokens = self._check_token_ids("token_ids", token_ids, len(ids))
+        self._append(ids, [1] * len(ids), k, v, tokens, f"a batch of {len(ids)} sequences")
+        return [Slot(self.tables[s][-1], (self.seq_lens[s] - 1) % self.block_size) for s in ids]
+
+    def _append(self, seq_ids: list[Hashable], counts: list[int], k: torch.Tensor, v: torch.Tensor,
+                token_ids: list[int] | None, what: str) -> list[list[int]]:
+        """The one write path, once the arguments are checked: ``counts[i]`` tokens for ``seq_ids[i]``, in
+        the order of ``k``, ``v`` (``[num_layers, sum(counts), kv_heads, head_dim]``).
+
+        1. plan: copies of shared last blocks about to be written (``_copy_on_write``), and
+           ``ceil((len + n) / block_size) - len(table)`` new blocks per sequence;
+        2. take all those blocks at once (all or nothing);
+        3. copy the shared blocks, then write K and V through flat slot ids (``_write``);
+        4. commit tables, lengths, reference counts and token ids (``_commit``).
+        Returns the new blocks of each sequence (a copy first).
+        """
+        bs, copy = self.block_size, self._copy_on_write(seq_ids, counts)
+        grow = [ceil_div(self.seq_lens[s] + n, bs) - len(self.tables[s]) for s, n in zip(seq_ids, counts)]
+        taken = self._take_blocks(sum(copy) + sum(grow), what)
+        new_blocks, copies, slots, used = [], [], [], 0
+        for s, n, c, g in zip(seq_ids, counts, copy, grow):
+            new, table, start = taken[used:used + c + g], self.tables[s], self.seq_lens[s]
+            used += c + g
+            if c:
+                copies.append((table[-1], new[0]))
+            slots += _slots(table[start // bs:len(table) - c] + new, start, start + n, bs)  # where they land
+            new_blocks.append(new)
+        self._write(slots, k, v, copies, taken)
+        self._commit(seq_ids, counts, new_blocks, copy, token_ids)
+        return new_blocks
+
+    def _copy_on_write(self, seq_ids: list[Hashable], counts: list[int]) -> list[bool]:
+        """Which sequences are about to write into a partly filled last block that another table holds
+        too. Of several sharers appending in one call, the last writes in place: it holds it alone by then."""
+        plan, copied = [], Counter()
+        for s, n in zip(seq_ids, counts):
+            last = self.tables[s][-1] if n and self.seq_lens[s] % self.block_size else None
+            plan.append(last is not None and self.ref_counts[last] - copied[last] > 1)
+            if plan[-1]:
+                copied[last] += 1
+        return plan
+
+    def _commit(self, seq_ids: list[Hashable], counts: list[int], new_blocks: list[list[int]],
+                copy: list[bool], token_ids: list[int] | None) -> None:
+        """Step 4 of ``_append`` (cannot fail): the copied originals lose one holder, tables and lengths
+        grow, and with prefix caching every block that just became full is registered by content."""
+        bs, tokens = self.block_size, iter(token_ids or [])
+        for s, n, new, c in zip(seq_ids, counts, new_blocks, copy):
+            if c:
+                self._release_blocks([self.tables[s].pop()])  # still held by the others: never freed here
+                self.cow_copies += 1
+            start, table = self.seq_lens[s], self.tables[s]
+            table += new
+            self.seq_lens[s] = start + n
+            if self.prefix_cache is not None:
+                self.token_ids[s] += [next(tokens) for _ in range(n)]
+                for i in range(start // bs, (start + n) // bs):  # blocks that are full now
+                    self.prefix_cache.register(table[i], table[i - 1] if i else None,
+                                               self.token_ids[s][i * bs:(i + 1) * bs])
 
     def _rows(self, slots: list[int]) -> torch.Tensor:
         """int64 ``[num_layers * n]`` rows (layer-major) of flat slot ids ``slots`` in the pool flattened to
@@ -248,47 +356,54 @@ class PagedKVCache:
         first = torch.tensor([s // bs * L * bs + s % bs for s in slots], dtype=torch.long, device=self.device)
         return (first + self._layer_rows).view(-1)                   # [L, 1] + [n]: row of layer l = + l * bs
 
-    def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor, new: list[int]) -> None:
-        """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``, already checked) into
-        flat slot ``slots[i]`` of every layer: one ``index_copy_`` per pool. If torch still fails (out of
-        memory, an interrupt), the blocks ``new`` go back on the stack: the one rollback."""
+    def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor, copies: list[tuple[int, int]],
+               taken: list[int]) -> None:
+        """Copy block ``src`` to ``dst`` for each pair of ``copies`` (K and V, every layer), then write token
+        ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``, already checked) into flat slot
+        ``slots[i]`` of every layer: one ``index_copy_`` per pool. If torch still fails (out of memory, an
+        interrupt), the blocks ``taken`` go back to the free stack: the one rollback (cached blocks evicted
+        for them stay evicted)."""
         flat = (-1, self.kv_heads, self.head_dim)
         try:
+            if copies:  # copy-on-write: the only K/V the cache ever copies
+                src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+                for pool in (self.k, self.v):
+                    pool[dst] = pool[src]                                    # [c, L, block_size, H, D]
             rows = self._rows(slots)
             # detach: a K/V that requires grad must not pull the pools into autograd (nor stay alive)
             self.k.view(flat).index_copy_(0, rows, k.detach().reshape(flat))  # [L, n, H, D] -> [L * n, H, D]
             self.v.view(flat).index_copy_(0, rows, v.detach().reshape(flat))
         except BaseException:
-            self._release_blocks(new)
+            self._release_blocks(taken)
             raise
 
     @_locked
     def free_sequence(self, seq_id: Hashable) -> list[int]:
-        """Forget a sequence and push all its blocks back on the free stack (its first block ends on
-        top). Returns the freed block ids."""
+        """Forget a sequence: each of its blocks loses a holder. Returns the blocks nobody holds any more,
+        now free (all of them unless some were shared), in table order; the first ends on top of the stack."""
         self._check_seq(seq_id)
-        blocks = self.tables.pop(seq_id)
-        del self.seq_lens[seq_id]
-        self._release_blocks(blocks)
-        return blocks
-
-    # ---------------------------------------------------------------------------------------------
-    # read side
+        del self.seq_lens[seq_id], self.token_ids[seq_id]
+        return self._release_blocks(self.tables.pop(seq_id))
 
     @_locked
     def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Give back the first ``n`` blocks of a sequence, all full, whose tokens it no longer needs (a
-        sliding window, ``pagedlib.window``). The sequence then holds ``n * block_size`` tokens fewer and
-        its table starts at its former block ``n``; the caller keeps the offset of the first token held.
-        The invariants hold as before. Returns the freed block ids (the first one ends on top)."""
+        """Drop the first ``n`` blocks of a sequence, all full, whose tokens it no longer needs (a sliding
+        window, ``pagedlib.window``): each loses a holder, as in ``free_sequence``. The sequence then holds
+        ``n * block_size`` tokens fewer and its table starts at its former block ``n``; the caller keeps
+        the offset of the first token held. Not combined with prefix caching (a block's key names its
+        parent block, which would be gone). Returns the blocks nobody holds any more."""
         self._check_seq(seq_id)
-        full = self.seq_lens[seq_id] // self.block_size
-        n = as_int("n", n, minimum=0, maximum=full)
+        if self.prefix_cache is not None:
+            raise ValueError("release_leading_blocks needs a cache without prefix caching "
+                             "(enable_prefix_caching=False)")
+        n = as_int("n", n, minimum=0, maximum=self.seq_lens[seq_id] // self.block_size)
         blocks = self.tables[seq_id][:n]
         del self.tables[seq_id][:n]
         self.seq_lens[seq_id] -= n * self.block_size
-        self._release_blocks(blocks)
-        return blocks
+        return self._release_blocks(blocks)
+
+    # ---------------------------------------------------------------------------------------------
+    # read side
 
     @_locked
     def slot(self, seq_id: Hashable, pos: int) -> Slot:
@@ -338,20 +453,37 @@ class PagedKVCache:
             raise IndexError(f"layer l must be in [-{self.num_layers}, {self.num_layers}), got {l}")
         return self.k[:, l], self.v[:, l]
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
+    @_locked
+    def ref_count(self, block_id: int) -> int:
+        """How many tables hold block ``block_id`` (0: it is free)."""
+        return self.ref_counts[as_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)]
+
+    @_locked
+    def is_cached(self, block_id: int) -> bool:
+        """Block ``block_id`` holds content that prefix caching can find (in use, or free but kept)."""
+        block_id = as_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)
+        return self.prefix_cache is not None and self.prefix_cache.is_cached(block_id)
+
+    @_locked
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable (all 0 when
+        prefix caching is off)."""
+        return (self.prefix_cache or PrefixCache(self.block_size)).stats()
 
     @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+    def num_free_blocks(self) -> int:  # plain free blocks plus cached blocks nobody holds
+        return len(self.free) + (len(self.prefix_cache.free_queue) if self.prefix_cache else 0)
+
+    @property
+    def num_used_blocks(self) -> int:  # blocks at least one table holds (shared ones count once)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_tokens(self) -> int:  # token slots holding a token, over all sequences
         return sum(self.seq_lens.values())
 
     @property
-    def num_allocated_slots(self) -> int:  # token slots in allocated blocks
+    def num_allocated_slots(self) -> int:  # token slots in the sequences' blocks (a shared block per holder)
         return sum(len(t) for t in self.tables.values()) * self.block_size
 
     @property
@@ -374,6 +506,23 @@ class PagedKVCache:
     def _check_seq(self, seq_id: Hashable) -> None:
         if seq_id not in self.seq_lens:
             raise UnknownSequenceError(seq_id, self.seq_lens)
+
+    def _check_new_id(self, name: str, seq_id: Hashable) -> None:
+        if seq_id is None:
+            raise ValueError(f"{name} must not be None (block_owners() uses None for a free block)")
+        if seq_id in self.seq_lens:  # also the TypeError of an unhashable id, before anything changes
+            raise ValueError(f"{name} {seq_id!r} already exists")
+
+    def _check_token_ids(self, name: str, token_ids: Sequence[int] | None, n: int) -> list[int] | None:
+        """``n`` token ids as plain ints, or ``None``; required when prefix caching is on."""
+        if token_ids is None:
+            if self.prefix_cache is not None and n:
+                raise ValueError(f"{name} is required when prefix caching is on (blocks are found by them)")
+            return None
+        ids = _token_list(name, token_ids)
+        if len(ids) != n:
+            raise ValueError(f"{name} must hold {n} token ids, one per token of K/V, got {len(ids)}")
+        return ids
 
     def _live_ids(self, seq_ids: Iterable[Hashable] | torch.Tensor) -> list[Hashable]:
         """``seq_ids`` as a list (read once: generators work; a 1-d tensor gives its values), all live."""
@@ -406,56 +555,96 @@ class PagedKVCache:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken invariant:
 
-        1. every block is free or held by exactly one sequence (once);
-        2. no allocated block is on the free stack;
-        3. every table entry (and every free-stack entry) is a valid block id;
-        4. a sequence of length ``n`` holds exactly ``ceil(n / block_size)`` blocks.
+        1. a block's reference count is the number of tables holding it (each table holds it at most
+           once): 1 for a block of one sequence, more for a shared one, 0 for a free one;
+        2. no held block is free, and every free block is on the stack or in the prefix cache's queue, once;
+        3. every table entry (and every free entry) is a valid block id;
+        4. a sequence of length ``n`` holds exactly ``ceil(n / block_size)`` blocks;
+        5. a shared block is the same logical block, equally filled, in every table holding it;
+        6. with prefix caching: a sequence's token ids match its length, each full block's key holds the
+           tokens of every sequence holding it, and the queue holds only cached blocks.
         """
-        if self.tables.keys() != self.seq_lens.keys():
-            raise InvariantError("tables and seq_lens hold different sequence ids")
-        held: dict[int, Hashable] = {}
-        for s, table in self.tables.items():
-            for b in table:
-                _check_id(b, self.num_blocks, f"sequence {s!r}")
-                if b in held:
-                    other = "twice in its table" if held[b] == s else f"by {held[b]!r} too"
-                    raise InvariantError(f"1: block {b} of sequence {s!r} is held {other}")
-                held[b] = s
-        for b in self.free:
+        holders = self._holders()
+        for b, count in enumerate(self.ref_counts):
+            if count != len(holders[b]):
+                raise InvariantError(f"1: block {b} has reference count {count} but {len(holders[b])} "
+                                     f"tables hold it ({[s for s, _ in holders[b]]})")
+        free = self.free + list(self.prefix_cache.free_queue if self.prefix_cache else [])
+        for b in free:
             _check_id(b, self.num_blocks, "the free stack")
-        if len(set(self.free)) != len(self.free):
-            raise InvariantError("1: a block appears twice on the free stack")
-        if on_both := sorted(held.keys() & set(self.free)):
-            b = on_both[0]
-            raise InvariantError(f"2: block {b} is held by {held[b]!r} and also on the free stack")
-        if lost := sorted(set(range(self.num_blocks)) - held.keys() - set(self.free)):
-            raise InvariantError(f"1: blocks {lost} are neither free nor held (leaked)")
+        if len(set(free)) != len(free):
+            raise InvariantError("2: a block appears twice among the free blocks")
+        if on_both := [b for b in free if holders[b]]:
+            raise InvariantError(f"2: block {on_both[0]} is held by {holders[on_both[0]][0][0]!r} "
+                                 f"and also on the free stack")
+        if lost := [b for b in range(self.num_blocks) if not holders[b] and b not in set(free)]:
+            raise InvariantError(f"2: blocks {lost} are neither free nor held (leaked)")
         for s, n in self.seq_lens.items():
             if len(self.tables[s]) != ceil_div(n, self.block_size):
                 raise InvariantError(f"4: sequence {s!r} of length {n} holds {len(self.tables[s])} blocks, "
                                      f"expected ceil({n}/{self.block_size}) = {ceil_div(n, self.block_size)}")
+        for b, hs in enumerate(holders):
+            if len({(i, self._fill(s, i)) for s, i in hs}) > 1:
+                raise InvariantError(f"5: shared block {b} differs between its holders {hs} (index, fill)")
+        if self.prefix_cache is not None:
+            self._check_prefix_cache()
+
+    def _holders(self) -> list[list[tuple[Hashable, int]]]:
+        """``holders[b]``: (sequence, logical index) of every table entry naming block ``b``."""
+        if self.tables.keys() != self.seq_lens.keys() or self.tables.keys() != self.token_ids.keys():
+            raise InvariantError("tables, seq_lens and token_ids hold different sequence ids")
+        holders: list[list[tuple[Hashable, int]]] = [[] for _ in range(self.num_blocks)]
+        for s, table in self.tables.items():
+            for i, b in enumerate(table):
+                _check_id(b, self.num_blocks, f"sequence {s!r}")
+                if holders[b] and holders[b][-1][0] == s:
+                    raise InvariantError(f"1: block {b} appears twice in the table of sequence {s!r}")
+                holders[b].append((s, i))
+        return holders
+
+    def _fill(self, seq_id: Hashable, i: int) -> int:
+        """Tokens that logical block ``i`` of ``seq_id`` holds."""
+        return min(self.block_size, self.seq_lens[seq_id] - i * self.block_size)
+
+    def _check_prefix_cache(self) -> None:
+        pc, bs = self.prefix_cache, self.block_size
+        for s, table in self.tables.items():
+            if len(self.token_ids[s]) != self.seq_lens[s]:
+                raise InvariantError(f"6: sequence {s!r} has {len(self.token_ids[s])} token ids for "
+                                     f"{self.seq_lens[s]} tokens")
+            for i, b in enumerate(table[:self.seq_lens[s] // bs]):
+                key = pc.keys.get(b)  # type: ignore[union-attr]
+                parent = pc.keys.get(table[i - 1]) if i else None  # type: ignore[union-attr]
+                tokens = tuple(self.token_ids[s][i * bs:(i + 1) * bs])
+                if key is None or key.tokens != tokens or key.parent != parent:
+                    raise InvariantError(f"6: full block {b} of sequence {s!r} has key {key}, not its tokens")
+        if stale := [b for b in pc.free_queue if not pc.is_cached(b)]:  # type: ignore[union-attr]
+            raise InvariantError(f"6: blocks {stale} wait in the prefix cache's queue without cached content")
 
     # ---------------------------------------------------------------------------------------------
     # display and test helpers
 
     @_locked
     def block_owners(self) -> list[Hashable | None]:
-        """``owners[b]``: the sequence holding physical block ``b``, or ``None`` if it is free."""
-        owners: list[Hashable | None] = [None] * self.num_blocks
-        for s, table in self.tables.items():
-            for b in table:
-                owners[b] = s
-        return owners
+        """``owners[b]``: the first sequence holding physical block ``b``, or ``None`` if it is free."""
+        return [hs[0] if hs else None for hs in self.block_holders()]
+
+    @_locked
+    def block_holders(self) -> list[list[Hashable]]:
+        """``holders[b]``: every sequence holding block ``b`` (``ref_count(b)`` of them), in table order."""
+        return [[s for s, _ in hs] for hs in self._holders()]
 
     @_locked
     def fill_unused(self, value: float = float("nan")) -> None:
-        """Write ``value`` into every slot that holds no token (free blocks, unwritten tails).
+        """Write ``value`` into every slot that holds no token (free blocks, unwritten tails; cached free
+        blocks keep their content).
 
         Attention must ignore those slots; poisoning them with NaN makes a test prove it."""
-        used = torch.zeros(self.num_blocks * self.block_size, dtype=torch.bool)
+        used = torch.zeros(self.num_blocks, self.block_size, dtype=torch.bool)  # [num_blocks, bs]
         for s, table in self.tables.items():
-            used[_slots(table, 0, self.seq_lens[s], self.block_size)] = True
-        unused = (~used).view(self.num_blocks, self.block_size).to(self.device)  # [num_blocks, bs]
+            used.view(-1)[_slots(table, 0, self.seq_lens[s], self.block_size)] = True
+        used[list(self.prefix_cache.free_queue if self.prefix_cache else [])] = True  # kept for later hits
+        unused = (~used).to(self.device)
         for pool in (self.k, self.v):
             pool.transpose(1, 2)[unused] = value  # view [num_blocks, bs, L, H, D]; writes through
 
@@ -463,10 +652,13 @@ class PagedKVCache:
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         top = f"top of stack: {self.free[-1]}" if self.free else "stack empty"
+        cached = f", {len(self.prefix_cache.free_queue)} of them cached" if self.prefix_cache else ""
+        shared = sum(c > 1 for c in self.ref_counts)
         lines = [f"PagedKVCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
                  f"block_size={self.block_size}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
                  f"dtype={dtype}, device={self.device})",
-                 f"  blocks: {self.num_used_blocks} used, {self.num_free_blocks} free ({top})",
+                 f"  blocks: {self.num_used_blocks} used, {self.num_free_blocks} free{cached} ({top})"
+                 + (f", {shared} shared, {self.cow_copies} copied" if shared or self.cow_copies else ""),
                  f"  tokens: {self.num_tokens} in {self.num_allocated_slots} allocated slots "
                  f"(utilization {self.utilization:.0%})"]
         lines += [f"  seq {s!r}: len {self.seq_lens[s]}, table {t}" for s, t in list(self.tables.items())[:8]]
@@ -534,6 +726,16 @@ def _check_room(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                          f"pools {list(shape)}, more than the {format_bytes(free)} free on {dev}")
 
 
-def _slots(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
-    """Flat slot ids ``block * block_size + offset`` of positions ``start .. stop-1`` of a sequence."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+def _slots(blocks: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Flat slot ids ``block * block_size + offset`` of positions ``start .. stop-1`` of a sequence whose
+    blocks from the one holding ``start`` on are ``blocks`` (``table[start // block_size:]``)."""
+    first = start - start % block_size
+    return [blocks[(p - first) // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def _token_list(name: str, token_ids: Sequence[int]) -> list[int]:
+    """Token ids as a list of non-negative Python ints (a list, tuple, range or 1-d tensor; not a str)."""
+    if isinstance(token_ids, (str, bytes, set, frozenset)) or not hasattr(token_ids, "__len__"):
+        raise ValueError(f"{name} must be a sequence of token ids, got {type(token_ids).__name__}")
+    values = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+    return [as_int(f"{name}[{i}]", t, minimum=0) for i, t in enumerate(values)]

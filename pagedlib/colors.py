@@ -6,6 +6,7 @@ from __future__ import annotations
 # sequence i gets OWNER_COLORS[i % len(OWNER_COLORS)]; free blocks are FREE_COLOR
 OWNER_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 FREE_COLOR = "#EEEEEE"
+CACHED_COLOR = "#CDE8CD"  # a free block whose content prefix caching keeps (notebook 06)
 
 
 def owner_color(seq_id: object, order: list[object] | None = None) -> str:

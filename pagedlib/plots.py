@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from pagedlib.checks import ceil_div
-from pagedlib.colors import FREE_COLOR, OWNER_COLORS, owner_color
+from pagedlib.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.sizing import block_table_entries, blocks_needed, paged_utilization
 
 
@@ -95,46 +95,63 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 
 def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
     """The physical pool of a ``PagedKVCache``: one cell per block (its id on top), split into
-    ``block_size`` slots; a slot holding a token is coloured by its sequence, the unwritten tail of a
-    sequence's last block is hatched in that colour, free blocks are grey with their depth on the free
-    stack (1 = popped next)."""
+    ``block_size`` slots; a slot holding a token is coloured by its (first) sequence, the unwritten tail of a
+    last block is hatched in that colour, a block several sequences share is outlined in black with its
+    reference count (``x2``); free blocks are grey with their depth on the free stack (1 = popped next),
+    cached free blocks green with their eviction order (``e1`` = evicted first)."""
     from matplotlib.patches import Patch, Rectangle
 
     nb, bs = cache.num_blocks, cache.block_size
     cols = cols or min(nb, 16)
     rows = ceil_div(nb, cols)
     fig, ax = _new_figure(min(0.62 * cols + 2.6, 13.0), 0.62 * rows + 1.0)
-    owners = cache.block_owners()
-    order = list(cache.tables)
+    owners, order = cache.block_owners(), list(cache.tables)
     fill = {b: min(bs, cache.seq_lens[s] - i * bs) for s, t in cache.tables.items() for i, b in enumerate(t)}
-    depth = {b: i + 1 for i, b in enumerate(reversed(cache.free))}
-    slot_w = 0.9 / bs
+    free_label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}
+    queue = list(cache.prefix_cache.free_queue) if cache.prefix_cache else []
+    free_label |= {b: f"e{i + 1}" for i, b in enumerate(queue)}
     for b in range(nb):
         x, y = b % cols, -(b // cols)
-        owner = owners[b]
-        if owner is None:
-            ax.add_patch(Rectangle((x, y), 0.9, 0.7, color=FREE_COLOR, ec="#BBBBBB", lw=0.6))
-            ax.text(x + 0.45, y + 0.35, str(depth[b]), ha="center", va="center", fontsize=7, color="#888888")
+        if owners[b] is None:
+            color = CACHED_COLOR if b in queue else FREE_COLOR
+            ax.add_patch(Rectangle((x, y), 0.9, 0.7, color=color, ec="#BBBBBB", lw=0.6))
+            ax.text(x + 0.45, y + 0.35, free_label[b], ha="center", va="center", fontsize=7, color="#666666")
         else:
-            color = owner_color(owner, order)
-            for off in range(bs):
-                used = off < fill[b]
-                style = {"facecolor": color, "edgecolor": "white"} if used else \
-                    {"facecolor": "white", "edgecolor": color, "hatch": "////"}
-                ax.add_patch(Rectangle((x + off * slot_w, y), slot_w, 0.7, lw=0.6, **style))
+            _draw_held_block(ax, x, y, owner_color(owners[b], order), fill[b], bs, cache.ref_counts[b])
         ax.text(x + 0.45, y + 0.78, str(b), ha="center", va="bottom", fontsize=7)
     handles = [Patch(color=owner_color(s, order), label=f"seq {s}: {cache.seq_lens[s]} tokens, "
                      f"{len(cache.tables[s])} blocks") for s in order]
     handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#BBBBBB",
                          label=f"free: {len(cache.free)} (number = depth on the stack)"))
+    if cache.prefix_cache is not None:
+        handles.append(Patch(facecolor=CACHED_COLOR, edgecolor="#BBBBBB",
+                             label=f"cached, free: {len(queue)} (e1 = evicted first)"))
+    if any(c > 1 for c in cache.ref_counts):
+        handles.append(Patch(facecolor="white", edgecolor="black", lw=1.6, label="shared (x = ref. count)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     ax.set_xlim(-0.1, cols)
     ax.set_ylim(-rows + 0.9, 1.15)
     ax.set_axis_off()
-    used = cache.num_used_blocks
-    ax.set_title(title or f"Physical pool: {used}/{nb} blocks used, {cache.num_tokens} tokens in "
-                 f"{cache.num_allocated_slots} allocated slots ({cache.utilization:.0%})", fontsize=9)
+    used, tokens, slots = cache.num_used_blocks, cache.num_tokens, cache.num_allocated_slots
+    ax.set_title(title or f"Physical pool: {used}/{nb} blocks used, {tokens} tokens in {slots} allocated "
+                 f"slots ({cache.utilization:.0%})", fontsize=9)
     return fig
+
+
+def _draw_held_block(ax: plt.Axes, x: float, y: float, color: str, fill: int, block_size: int,
+                     ref_count: int) -> None:
+    """One held block: ``fill`` slots in ``color``, the rest hatched; outlined with its count if shared."""
+    from matplotlib.patches import Rectangle
+
+    slot_w = 0.9 / block_size
+    for off in range(block_size):
+        style = {"facecolor": color, "edgecolor": "white"} if off < fill else \
+            {"facecolor": "white", "edgecolor": color, "hatch": "////"}
+        ax.add_patch(Rectangle((x + off * slot_w, y), slot_w, 0.7, lw=0.6, **style))
+    if ref_count > 1:
+        ax.add_patch(Rectangle((x, y), 0.9, 0.7, fill=False, ec="black", lw=1.6))
+        ax.text(x + 0.45, y + 0.35, f"x{ref_count}", ha="center", va="center", fontsize=7, fontweight="bold",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
 
 
 ALLOC_COLORS = {"append_token": OWNER_COLORS[3], "append_batch": OWNER_COLORS[0],
@@ -229,6 +246,39 @@ def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "
         fig.suptitle(title, fontsize=10)
     return fig
 
+
+
+# --- notebook 06: sharing blocks -----------------------------------------------------------------
+
+
+def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], title: str = "") -> Figure:
+    """KV memory (MiB) against tokens generated so far, one line per strategy in ``curves``."""
+    fig, ax = _new_figure(7.0, 3.4)
+    for (label, mib), color in zip(curves.items(), (OWNER_COLORS[3], OWNER_COLORS[0], OWNER_COLORS[2])):
+        ax.plot(generated, mib, color=color, label=label)
+    ax.set_xlabel("tokens generated per sample")
+    ax.set_ylabel("KV cache in use (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
+def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evictions: list[int],
+                          title: str = "") -> Figure:
+    """Prefix-cache hit rate (% of prompt tokens) and blocks evicted against the pool size (blocks)."""
+    fig, ax = _new_figure(7.0, 3.4)
+    ax.plot(pool_blocks, [100 * r for r in hit_rates], "o-", color=OWNER_COLORS[0], label="hit rate")
+    ax.set_xlabel("pool size (blocks)")
+    ax.set_ylabel("prompt tokens found in the cache (%)", color=OWNER_COLORS[0])
+    ax.set_ylim(0, 100)
+    twin = ax.twinx()
+    twin.plot(pool_blocks, evictions, "s--", color=OWNER_COLORS[3], label="evictions")
+    twin.set_ylabel("cached blocks evicted (count)", color=OWNER_COLORS[3])
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    return fig
 
 
 # --- notebook 05: Triton kernel -------------------------------------------------------------------

@@ -443,8 +443,10 @@ def test_unknown_id_error_is_a_keyerror_with_a_readable_message():
         (lambda c: c.tables["a"].__setitem__(0, 99), "3:"),  # an invalid id in a table
         (lambda c: c.free.append(-1), "3:"),  # an invalid id on the stack
         (lambda c: c.seq_lens.__setitem__("a", 1), "4:"),  # wrong number of blocks for the length
-        (lambda c: c.free.pop(), "1:"),  # a leaked block (neither free nor held)
-        (lambda c: c.free.append(c.free[0]), "1:"),  # a block twice on the stack
+        (lambda c: c.free.pop(), "2:"),  # a leaked block (neither free nor held)
+        (lambda c: c.free.append(c.free[0]), "2:"),  # a block twice on the stack
+        (lambda c: c.ref_counts.__setitem__(c.tables["a"][0], 2), "1:"),  # a count no table accounts for
+        (lambda c: c.tables["a"].__setitem__(1, c.tables["a"][0]), "1:"),  # one table holds a block twice
     ],
 )
 def test_check_invariants_detects_corruption(corrupt, number):
@@ -581,4 +583,4 @@ def test_state_diff_names_what_changed():
     before = snapshot(c)
     assert c.state_diff(before) == []  # NaN slots compare equal to themselves
     c.append_tokens(0, *kv(5))
-    assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens"}
+    assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens", "ref_counts"}

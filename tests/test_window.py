@@ -120,3 +120,25 @@ def test_a_window_wider_than_the_sequence_is_plain_paged_attention():
     with pytest.raises(ValueError, match="seq_lens"):
         sliding_window_attention(q, *cache.layer(0), cache.block_table([0, 1, 2]),
                                  torch.tensor([5, 11, 16]), window=4)
+
+
+def test_release_leading_blocks_of_a_fork_keeps_the_shared_blocks():
+    cache = PagedKVCache(8, 1, 4, 1, 2)
+    cache.add_sequence("p")
+    cache.append_tokens("p", torch.ones(1, 9, 1, 2), torch.ones(1, 9, 1, 2))
+    cache.fork("p", "c")
+    shared = cache.tables["p"][:2]
+    assert cache.release_leading_blocks("c", 2) == []           # the parent still holds them
+    assert [cache.ref_count(b) for b in shared] == [1, 1]
+    assert cache.tables["p"][:2] == shared and cache.seq_lens["c"] == 1
+    cache.check_invariants()
+
+
+def test_release_leading_blocks_refuses_a_prefix_cache():
+    cache = PagedKVCache(8, 1, 4, 1, 2, enable_prefix_caching=True)
+    cache.add_sequence("s")
+    cache.append_tokens("s", torch.ones(1, 9, 1, 2), torch.ones(1, 9, 1, 2), token_ids=list(range(9)))
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="prefix caching"):
+        cache.release_leading_blocks("s", 1)
+    assert_unchanged(cache, snap)
