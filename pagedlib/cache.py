@@ -390,12 +390,16 @@ class PagedKVCache:
         """Drop the first ``n`` blocks of a sequence, all full, whose tokens it no longer needs (a sliding
         window, ``pagedlib.window``): each loses a holder, as in ``free_sequence``. The sequence then holds
         ``n * block_size`` tokens fewer and its table starts at its former block ``n``; the caller keeps
-        the offset of the first token held. Not combined with prefix caching (a block's key names its
-        parent block, which would be gone). Returns the blocks nobody holds any more."""
+        the offset of the first token held. Not combined with sharing: every block of the sequence must be
+        its own (a shared block sits at one logical index in all its holders), and prefix caching must be
+        off (a block's key names its parent block, which would be gone). Returns the freed block ids."""
         self._check_seq(seq_id)
         if self.prefix_cache is not None:
             raise ValueError("release_leading_blocks needs a cache without prefix caching "
                              "(enable_prefix_caching=False)")
+        if shared := [b for b in self.tables[seq_id] if self.ref_counts[b] > 1]:
+            raise ValueError(f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; "
+                             f"blocks {shared} are shared (fork)")
         n = as_int("n", n, minimum=0, maximum=self.seq_lens[seq_id] // self.block_size)
         blocks = self.tables[seq_id][:n]
         del self.tables[seq_id][:n]

@@ -122,16 +122,15 @@ def test_a_window_wider_than_the_sequence_is_plain_paged_attention():
                                  torch.tensor([5, 11, 16]), window=4)
 
 
-def test_release_leading_blocks_of_a_fork_keeps_the_shared_blocks():
+def test_release_leading_blocks_refuses_shared_blocks():
     cache = PagedKVCache(8, 1, 4, 1, 2)
     cache.add_sequence("p")
     cache.append_tokens("p", torch.ones(1, 9, 1, 2), torch.ones(1, 9, 1, 2))
     cache.fork("p", "c")
-    shared = cache.tables["p"][:2]
-    assert cache.release_leading_blocks("c", 2) == []           # the parent still holds them
-    assert [cache.ref_count(b) for b in shared] == [1, 1]
-    assert cache.tables["p"][:2] == shared and cache.seq_lens["c"] == 1
-    cache.check_invariants()
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="shared"):
+        cache.release_leading_blocks("c", 2)
+    assert_unchanged(cache, snap)
 
 
 def test_release_leading_blocks_refuses_a_prefix_cache():
