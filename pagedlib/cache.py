@@ -579,7 +579,7 @@ class PagedKVCache:
         if len(set(free)) != len(free):
             raise InvariantError("2: a block appears twice among the free blocks")
         if on_both := [b for b in free if holders[b]]:
-            raise InvariantError(f"2: block {on_both[0]} is held by {holders[on_both[0]][0][0]!r} "
+            raise InvariantError(f"2: block {on_both[0]} is held by sequence {holders[on_both[0]][0][0]!r} "
                                  f"and also on the free stack")
         if lost := [b for b in range(self.num_blocks) if not holders[b] and b not in set(free)]:
             raise InvariantError(f"2: blocks {lost} are neither free nor held (leaked)")
