@@ -222,9 +222,10 @@ class BlockTableTracer:
         plain, cached = [b for b in freed if b not in queue], [b for b in freed if b in queue]
         kept = [b for b in blocks if b not in freed]
         top = f"; block {cache.free[-1]} is now on top" if cache.free and plain else ""
-        said = [f"its blocks {plain} went back on the free stack{top}"] if plain else []
-        said += [f"blocks {cached} keep their K/V as cached free blocks"] if cached else []
-        said += [f"block{_s(kept)} {kept} stay{'' if len(kept) > 1 else 's'}: other sequences still hold "
+        said = [f"{_ids(plain)} went back on the free stack{top}"] if plain else []
+        said += [f"{_ids(cached)} keep{' their' if len(cached) > 1 else 's its'} K/V as cached free "
+                 f"block{_s(cached)}"] if cached else []
+        said += [f"{_ids(kept)} stay{'' if len(kept) > 1 else 's'}: other sequences still hold "
                  f"{'them' if len(kept) > 1 else 'it'} (one ref fewer)"] if kept else []
         self._log = (f"Freed seq {seq_id}: {'; '.join(said) or 'it held no block'}, "
                      f"{cache.num_free_blocks} blocks free.")
@@ -303,7 +304,10 @@ class BlockTableTracer:
         free = cache.num_free_blocks - sum(b in pc.free_queue for b in found) if pc is not None else \
             cache.num_free_blocks
         if need > free:
-            raise OutOfBlocksError(need, free, f"a {n}-token prompt of sequence {seq_id}")
+            hit = len(found) * cache.block_size
+            what = (f"the last {n - hit} tokens of a {n}-token prompt of sequence {seq_id} (the first {hit} "
+                    f"are cached)" if found else f"a {n}-token prompt of sequence {seq_id}")
+            raise OutOfBlocksError(need, free, what)
         return found
 
     def _append_and_explain(self, seq_id: int, start: int, n: int) -> str:
@@ -472,6 +476,11 @@ def _styled(w: widgets.DOMWidget, css: str, width: str = "180px", label_width: s
 def _s(items: Sequence[object]) -> str:
     """The plural ``s`` for a list of ``items``."""
     return "s" if len(items) > 1 else ""
+
+
+def _ids(blocks: Sequence[int]) -> str:
+    """``block 3`` or ``blocks 3, 5``."""
+    return f"block{_s(blocks)} {', '.join(map(str, blocks))}"
 
 
 def _taken(block: int, evicted: Sequence[int], verb: bool = False) -> str:
