@@ -340,9 +340,10 @@ class BlockTableTracer:
         cow = ""
         if self._copied is not None:
             src, dst = self._copied
-            cow = (f"block {src} was shared ({refs} refs), so copy-on-write first copied its {r} tokens (K "
-                   f"and V, every layer) to block {dst}{_taken(dst, evicted)} and the table now names {dst}; "
-                   f"block {src} keeps {refs - 1} ref{'s' if refs > 2 else ''}")
+            cow = (f"block {src} was shared ({refs} refs), so copy-on-write first copied its {r} "
+                   f"token{'s' if r > 1 else ''} (K and V, every layer) to block {dst}{_taken(dst, evicted)} "
+                   f"and the table now names {dst}; block {src} keeps {refs - 1} "
+                   f"ref{'s' if refs > 2 else ''}")
         if n == 1:
             if new:
                 why = f"{start} % {bs} == 0, so {_taken(new[0], evicted, verb=True)}"

@@ -658,7 +658,8 @@ def test_a_prompt_that_does_not_fit_changes_nothing_even_after_a_hit():
 
 @settings(max_examples=80, deadline=None)
 @given(prefix=st.booleans(), ops=st.lists(st.tuples(st.sampled_from(
-    ["prompt", "prompt", "append", "append_n", "fork", "free", "select"]), st.integers(0, 12)), min_size=8, max_size=30))
+    ["prompt", "prompt", "append", "append_n", "fork", "free", "select"]), st.integers(0, 12)),
+    min_size=8, max_size=30))
 def test_random_clicks_keep_the_view_and_the_cache_in_agreement(prefix, ops):
     """Any sequence of clicks: each succeeds or changes nothing, and the picture always matches the cache."""
     tracer = BlockTableTracer(num_blocks=8, enable_prefix_caching=prefix)
