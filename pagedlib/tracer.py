@@ -165,10 +165,10 @@ class BlockTableTracer:
             self._log = (f"Added seq {seq_id} with an empty block table: it holds no block until its first "
                          f"token.")
             return seq_id
-        found_text = (f"prefix caching found its first {hit} tokens in cached block{_s(found)} {found} "
-                      f"(now shared, nothing recomputed); " if hit else "")
-        written = self._append_and_explain(seq_id, hit, n - hit)
-        self._log = f"Added seq {seq_id} with a {n}-token prompt: {found_text}{written}"
+        found_text = (f"prefix caching found its first {hit} tokens in cached {_ids(found)} (attached, "
+                      f"not written again); the rest: " if hit else "")
+        written = self._append_and_explain(seq_id, hit, n - hit)  # "Position(s) ...": lower-cased below
+        self._log = f"Added seq {seq_id} with a {n}-token prompt: {found_text}p{written[1:]}"
         return seq_id
 
     @_action

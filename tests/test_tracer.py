@@ -611,7 +611,8 @@ def test_prefix_caching_hits_cached_free_blocks_and_eviction():
     tracer.add_prompt_button.click()  # seq 1: positions 0-7 are found in blocks 0, 1, only 8-9 are written
     assert cache.tables[1] == [0, 1, 3] and cache.ref_counts[:4] == [2, 2, 1, 1]
     assert cache.prefix_cache_stats()["hit_tokens"] == 8
-    assert "found its first 8 tokens in cached blocks [0, 1]" in log_shown(tracer)
+    assert ("found its first 8 tokens in cached blocks 0, 1 (attached, not written again); the rest: "
+            "positions 8..9 (2 tokens) written at once") in log_shown(tracer)
     assert_view_matches_cache(tracer)
 
     tracer.free(0)  # block 2 (partly filled) goes on the stack; 0 and 1 stay with seq 1
