@@ -91,10 +91,13 @@ class BlockTableTracer:
 
     Contract:
         - *A failed action changes nothing.* Arguments are checked before anything happens and every
-          cache call is all-or-nothing. The error (the cache's own ``OutOfBlocksError``,
-          ``UnknownSequenceError`` or ``IndexError``, or a ``ValueError`` naming the argument) is shown
-          in the view, then raised by a method or swallowed by a button. Play (``play_to``) replays the
-          script as a series of actions: one that fails stops it after the last step that succeeded.
+          cache call is all-or-nothing; the one action that makes two (``add_sequence(prompt_len)``: the
+          prefix lookup, then the rest of the prompt) counts the blocks the second needs before the first
+          runs. A failed action also keeps the view as it was (copy-on-write highlight included). The
+          error (the cache's own ``OutOfBlocksError``, ``UnknownSequenceError`` or ``IndexError``, or a
+          ``ValueError`` naming the argument) is shown in the view, then raised by a method or swallowed
+          by a button. Play (``play_to``) replays the script as a series of actions: one that fails stops
+          it after the last step that succeeded.
         - *One thread.* In a notebook, ipykernel handles widget events one at a time on the thread that
           runs the cells, so clicks never interleave. The tracer, like its cache, is not thread-safe:
           never call it from another thread.
