@@ -7,6 +7,7 @@ from __future__ import annotations
 OWNER_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 FREE_COLOR = "#EEEEEE"
 CACHED_COLOR = "#CDE8CD"  # a free block whose content prefix caching keeps (notebook 06)
+CACHED_EDGE = "#6AAA6A"   # its border and kept slots in the tracer widget
 
 
 def owner_color(seq_id: object, order: list[object] | None = None) -> str:

@@ -1,14 +1,24 @@
-"""``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebook 03).
+"""``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06).
 
-Each button calls one of the cache's own methods (``add_sequence``, ``append_token``, ``append_tokens``,
-``free_sequence``, ``slot``); the tracer only remembers what the reader is looking at (the selected
-sequence, the highlighted lookup, the last log line or error) and redraws the view with ``render_html``
-(``pagedlib.tracer_view``). The cache holds real K and V (one layer, one head of size 2): token ``p`` is
-written as ``k = v = p``, so what a slot holds is easy to check.
+Each button calls one of the cache's own methods (``add_sequence``, ``fork``, ``append_token``,
+``append_tokens``, ``free_sequence``, ``slot``); the tracer only remembers what the reader is looking at
+(the selected sequence, the highlighted lookup, the last copy-on-write, the last log line or error) and
+redraws the view with ``render_html`` (``pagedlib.tracer_view``). The cache holds real K and V (one layer,
+one head of size 2): token ``p`` is written as ``k = v = p``, so what a slot holds is easy to check.
+
+Sharing (notebook 06): **Fork** shares every block of the selected sequence with a new one; the first
+append into a shared, partly filled block copies it (copy-on-write, tinted in the view). With
+``enable_prefix_caching=True`` the token at position ``p`` also has token id ``p``. Every sequence then
+holds the same tokens at the same positions, so any full block is a cache hit for every later prompt that
+reaches past it: **Add with prompt N** attaches those cached blocks instead of writing them, and a freed
+full block stays (green) among the cached free blocks until the pool needs it. The K/V a hit reuses are
+exactly what the new sequence would have written (``k = v = p`` too), so every sequence still reads back
+its own positions.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +27,7 @@ import ipywidgets as widgets
 import torch
 
 from pagedlib.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, ceil_div
 from pagedlib.tracer_view import MAX_SEQUENCES, MAX_SLOTS, render_html
 
 __all__ = ["SCENARIO", "BlockTableTracer"]
@@ -52,9 +62,11 @@ def _action(method: Callable[..., Any]) -> Callable[..., Any]:
     error in the view and re-raise it. Redraw either way."""
     @functools.wraps(method)
     def run(self: BlockTableTracer, *args: Any, **kwargs: Any) -> Any:
+        copied, self._copied = self._copied, None  # the copy-on-write highlight is the last action's
         try:
             result = method(self, *args, **kwargs)
         except _USER_ERRORS as exc:
+            self._copied = copied
             hint = " Free a sequence to make room." if isinstance(exc, OutOfBlocksError) else ""
             self._error = f"Error: {str(exc).rstrip('.')}.{hint} Nothing changed."
             self._render()
@@ -73,22 +85,26 @@ class BlockTableTracer:
             <= MAX_SLOTS``).
         free_order: the order in which blocks are handed out (``PagedKVCache``'s ``free_order``):
             ``free_order[0]`` is popped first; unlisted blocks follow in ascending order.
+        enable_prefix_caching: give the cache a prefix cache; token ids are positions (module docstring).
 
     The buttons act on ``selected``. The same actions exist as methods for notebooks and tests.
 
     Contract:
         - *A failed action changes nothing.* Arguments are checked before anything happens and every
-          cache call is all-or-nothing. The error (the cache's own ``OutOfBlocksError``,
-          ``UnknownSequenceError`` or ``IndexError``, or a ``ValueError`` naming the argument) is shown
-          in the view, then raised by a method or swallowed by a button. Play (``play_to``) replays the
-          script as a series of actions: one that fails stops it after the last step that succeeded.
+          cache call is all-or-nothing; the one action that makes two (``add_sequence(prompt_len)``: the
+          prefix lookup, then the rest of the prompt) counts the blocks the second needs before the first
+          runs. A failed action also keeps the view as it was (copy-on-write highlight included). The
+          error (the cache's own ``OutOfBlocksError``, ``UnknownSequenceError`` or ``IndexError``, or a
+          ``ValueError`` naming the argument) is shown in the view, then raised by a method or swallowed
+          by a button. Play (``play_to``) replays the script as a series of actions: one that fails stops
+          it after the last step that succeeded.
         - *One thread.* In a notebook, ipykernel handles widget events one at a time on the thread that
           runs the cells, so clicks never interleave. The tracer, like its cache, is not thread-safe:
           never call it from another thread.
     """
 
     def __init__(self, num_blocks: int = 12, block_size: int = 4, *,
-                 free_order: Sequence[int] | None = None) -> None:
+                 free_order: Sequence[int] | None = None, enable_prefix_caching: bool = False) -> None:
         num_blocks = as_int("num_blocks", num_blocks, minimum=1)
         block_size = as_int("block_size", block_size, minimum=1)
         if num_blocks * block_size > MAX_SLOTS:
@@ -96,10 +112,12 @@ class BlockTableTracer:
                              f"slot), got {num_blocks} * {block_size} = {num_blocks * block_size}")
         self._geometry = (num_blocks, block_size)
         self._free_order = None if free_order is None else list(free_order)
+        self._prefix_caching = enable_prefix_caching  # checked by the cache (a bool, else ValueError)
         self.cache = self._new_cache()
         self._next_id = 0
         self._selected: int | None = None
         self._lookup: tuple[int, int] | None = None  # (seq_id, pos) highlighted
+        self._copied: tuple[int, int] | None = None  # (original, copy) of the last action's copy-on-write
         self._log = ""
         self._error = ""
         self._syncing = False  # True while _render updates the controls (their observers must not act)
@@ -130,50 +148,90 @@ class BlockTableTracer:
         self._selected = None if seq_id is None else self._target(seq_id)
 
     @_action
-    def add_sequence(self) -> int:
-        """Register a new, empty sequence in the cache, select it and return its id."""
-        if len(self.cache.tables) >= MAX_SEQUENCES:
-            raise ValueError(f"the tracer shows at most {MAX_SEQUENCES} sequences: free one first")
+    def add_sequence(self, prompt_len: int = 0) -> int:
+        """Register a new sequence, select it and return its id.
+
+        ``prompt_len`` tokens (ids and K/V ``0 .. prompt_len-1``) are its prompt, written at once. With
+        prefix caching the cache first attaches the cached blocks that hold the prompt's leading full
+        blocks (``PagedKVCache.add_sequence(seq_id, prompt_token_ids)``) and only the rest is written. The
+        blocks the prompt needs are counted first, so a prompt that does not fit changes nothing.
+        """
+        cache = self.cache
+        self._check_room()
+        n = as_int("prompt_len", prompt_len, minimum=0, maximum=cache.num_blocks * cache.block_size)
         seq_id = self._next_id
-        self.cache.add_sequence(seq_id)
+        found = self._check_prompt_fits(seq_id, n)
+        hit = cache.add_sequence(seq_id, list(range(n)) if cache.prefix_cache is not None and n else None)
         self._next_id += 1
-        self._selected = seq_id
-        self._log = f"Added seq {seq_id} with an empty block table: it holds no block until its first token."
+        self._selected, self._lookup = seq_id, (seq_id, n - 1) if n else None
+        if n == 0:
+            self._log = (f"Added seq {seq_id} with an empty block table: it holds no block until its first "
+                         f"token.")
+            return seq_id
+        found_text = (f"prefix caching found its first {hit} tokens in cached {_ids(found)} (attached, "
+                      f"not written again); the rest: " if hit else "")
+        written = self._append_and_explain(seq_id, hit, n - hit)  # "Position(s) ...": lower-cased below
+        self._log = f"Added seq {seq_id} with a {n}-token prompt: {found_text}p{written[1:]}"
         return seq_id
+
+    @_action
+    def fork(self, seq_id: int | None = None) -> int:
+        """Fork ``seq_id`` (default: the selected sequence) into a new sequence, select it and return its
+        id: ``cache.fork`` copies the parent's block table, not its K/V, so every block becomes shared."""
+        parent = self._target(seq_id)
+        self._check_room()
+        child, cache = self._next_id, self.cache
+        cache.fork(parent, child)
+        self._next_id += 1
+        self._selected, table, n, bs = child, cache.tables[child], cache.seq_lens[child], cache.block_size
+        if n % bs:
+            then = (f"its last block {table[-1]} is partly filled ({n % bs} of {bs} slots), so the first "
+                    f"append to either sequence copies it first (copy-on-write)")
+        else:
+            then = "every block is full, so appends take new blocks and nothing will be copied"
+        self._log = (f"Forked seq {parent} into seq {child}: the child's table is a copy of the parent's, "
+                     f"{table}, length {n}; no K/V was copied, each of those blocks has one more ref; "
+                     f"{then}.")
+        return child
 
     @_action
     def append(self, seq_id: int | None = None, n: int = 1) -> None:
         """Append ``n`` tokens to ``seq_id`` (default: the selected sequence) and select it.
 
         One token goes through ``cache.append_token``; several (a prompt) through ``cache.append_tokens``,
-        which takes every block they need up front, or none if the pool is short.
+        which takes every block they need up front, or none if the pool is short. If the sequence's last
+        block is shared and partly filled, the cache copies it first (copy-on-write); the log says which
+        block went where and the view tints the copy.
         """
         seq_id, cache = self._target(seq_id), self.cache
         # n is checked against the whole pool before any K/V is built; an n that fits the pool but not its
         # free blocks is refused by the cache itself (OutOfBlocksError) before it takes anything
         n = as_int("n", n, minimum=1, maximum=cache.num_blocks * cache.block_size)
-        start, held = cache.seq_lens[seq_id], len(cache.tables[seq_id])
-        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p
-        values = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
-        if n == 1:
-            cache.append_token(seq_id, values[:, 0], values[:, 0])  # [num_layers, kv_heads, head_dim]
-        else:
-            cache.append_tokens(seq_id, values, values)
+        start = cache.seq_lens[seq_id]
+        self._log = self._append_and_explain(seq_id, start, n)
         self._selected, self._lookup = seq_id, (seq_id, start + n - 1)
-        self._log = self._explain_append(seq_id, start, n, cache.tables[seq_id][held:])
 
     @_action
     def free(self, seq_id: int | None = None) -> None:
-        """Free ``seq_id`` (default: the selected sequence): its blocks go back on the free stack."""
-        seq_id = self._target(seq_id)
-        blocks = list(self.cache.tables[seq_id])
-        self.cache.free_sequence(seq_id)
+        """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref; those nobody
+        holds any more go back on the free stack or, holding cached content, to the cached free blocks."""
+        seq_id, cache = self._target(seq_id), self.cache
+        blocks = list(cache.tables[seq_id])
+        freed = cache.free_sequence(seq_id)
         if self._lookup is not None and self._lookup[0] == seq_id:
             self._lookup = None
-        self._selected = next(reversed(self.cache.tables), None)
-        top = f"; block {self.cache.free[-1]} is now on top" if self.cache.free else ""
-        self._log = (f"Freed seq {seq_id}: its blocks {blocks} went back on the free stack{top}, "
-                     f"{self.cache.num_free_blocks} blocks free.")
+        self._selected = next(reversed(cache.tables), None)
+        queue = cache.prefix_cache.free_queue if cache.prefix_cache is not None else {}
+        plain, cached = [b for b in freed if b not in queue], [b for b in freed if b in queue]
+        kept = [b for b in blocks if b not in freed]
+        top = f"; block {cache.free[-1]} is now on top" if cache.free and plain else ""
+        said = [f"{_ids(plain)} went back on the free stack{top}"] if plain else []
+        said += [f"{_ids(cached)} keep{' their' if len(cached) > 1 else 's its'} K/V as cached free "
+                 f"block{_s(cached)}"] if cached else []
+        said += [f"{_ids(kept)} stay{'' if len(kept) > 1 else 's'}: other sequences still hold "
+                 f"{'them' if len(kept) > 1 else 'it'} (one ref fewer)"] if kept else []
+        self._log = (f"Freed seq {seq_id}: {'; '.join(said) or 'it held no block'}, "
+                     f"{cache.num_free_blocks} blocks free.")
 
     @_action
     def lookup(self, seq_id: int | None, pos: int) -> tuple[int, int, int]:
@@ -221,7 +279,7 @@ class BlockTableTracer:
     def _new_cache(self) -> PagedKVCache:
         num_blocks, block_size = self._geometry
         return PagedKVCache(num_blocks, num_layers=1, block_size=block_size, kv_heads=1, head_dim=2,
-                            free_order=self._free_order)
+                            free_order=self._free_order, enable_prefix_caching=self._prefix_caching)
 
     def _target(self, seq_id: int | None) -> int:
         """The sequence an action applies to: ``seq_id`` or, if ``None``, the selected one."""
@@ -234,24 +292,84 @@ class BlockTableTracer:
             raise UnknownSequenceError(seq_id, self.cache.tables)
         return seq_id
 
-    def _explain_append(self, seq_id: int, start: int, n: int, new: list[int]) -> str:
+    def _check_room(self) -> None:
+        if len(self.cache.tables) >= MAX_SEQUENCES:
+            raise ValueError(f"the tracer shows at most {MAX_SEQUENCES} sequences: free one first")
+
+    def _check_prompt_fits(self, seq_id: int, n: int) -> list[int]:
+        """The cached blocks a prompt of ``n`` tokens would attach (looked up on a copy of the prefix cache,
+        whose lookup counts queries); ``OutOfBlocksError`` if the rest of the prompt needs more blocks than
+        are free once those are attached (a cached block waiting in the free queue stops being free)."""
+        cache = self.cache
+        pc = cache.prefix_cache
+        found = copy.deepcopy(pc).lookup(range(n)) if pc is not None and n else []
+        need = ceil_div(n, cache.block_size) - len(found)
+        free = cache.num_free_blocks - sum(b in pc.free_queue for b in found) if pc is not None else \
+            cache.num_free_blocks
+        if need > free:
+            hit = len(found) * cache.block_size
+            what = (f"the last {n - hit} tokens of a {n}-token prompt of sequence {seq_id} (the first {hit} "
+                    f"are cached)" if found else f"a {n}-token prompt of sequence {seq_id}")
+            raise OutOfBlocksError(need, free, what)
+        return found
+
+    def _append_and_explain(self, seq_id: int, start: int, n: int) -> str:
+        """Write tokens ``start .. start+n-1`` of ``seq_id`` (token id = K = V = position), note the
+        copy-on-write it made, if any, in ``_copied``, and return the log line explaining it."""
+        cache = self.cache
+        old, copies = list(cache.tables[seq_id]), cache.cow_copies
+        queued = set(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else set()
+        refs = cache.ref_count(old[-1]) if old else 0
+        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p
+        values = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
+        ids = list(range(start, start + n)) if cache.prefix_cache is not None else None
+        if n == 1:
+            cache.append_token(seq_id, values[:, 0], values[:, 0], None if ids is None else ids[0])
+        else:
+            cache.append_tokens(seq_id, values, values, ids)
+        table = cache.tables[seq_id]
+        if cache.cow_copies > copies:
+            self._copied = (old[-1], table[len(old) - 1])
+        taken = table[len(old) - 1:] if self._copied else table[len(old):]
+        evicted = [b for b in taken if b in queued]
+        return self._explain_append(seq_id, start, n, table[len(old):], refs, evicted)
+
+    def _explain_append(self, seq_id: int, start: int, n: int, new: list[int], refs: int,
+                        evicted: list[int]) -> str:
+        """The log line of an append: the arithmetic, the blocks taken (popped, or evicted from the cached
+        free blocks), the copy-on-write if one was made (``refs``: the copied block's count before)."""
         bs, table = self.cache.block_size, self.cache.tables[seq_id]
+        r = start % bs
+        cow = ""
+        if self._copied is not None:
+            src, dst = self._copied
+            cow = (f"block {src} was shared ({refs} refs), so copy-on-write first copied its {r} "
+                   f"token{'s' if r > 1 else ''} (K and V, every layer) to block {dst}{_taken(dst, evicted)} "
+                   f"and the table now names {dst}; block {src} keeps {refs - 1} "
+                   f"ref{'s' if refs > 2 else ''}")
         if n == 1:
             if new:
-                why = f"{start} % {bs} == 0, so block {new[0]} was popped from the free stack"
+                why = f"{start} % {bs} == 0, so {_taken(new[0], evicted, verb=True)}"
+            elif cow:
+                why = f"{start} % {bs} == {r}, but {cow}; the token goes to offset {r} of block {table[-1]}"
             else:
-                why = (f"{start} % {bs} == {start % bs}, so it goes to offset {start % bs} of block "
-                       f"{table[start // bs]}, no new block needed")
+                why = (f"{start} % {bs} == {r}, so it goes to offset {r} of block {table[start // bs]}, "
+                       f"no new block needed")
             return f"Position {start}: {why}; table of seq {seq_id} is now {table}, length {start + 1}."
-        popped = (f"{len(new)} block{'s' if len(new) > 1 else ''} popped from the free stack ({new})"
-                  if new else f"no new block (block {table[-1]} had room)")
-        return (f"Positions {start}..{start + n - 1} ({n} tokens) written at once: {popped}; "
-                f"table of seq {seq_id} is now {table}, length {start + n}.")
+        if new:
+            took = f"{len(new)} block{_s(new)} popped from the free stack ({new})"
+            gone = [b for b in new if b in evicted]
+            took += f", block{_s(gone)} {gone} evicted from the cached free blocks" if gone else ""
+        else:
+            took = f"no new block (block {table[-1]} had room)"
+        cow = f"{cow}; " if cow else ""
+        return (f"Positions {start}..{start + n - 1} ({n} tokens) written at once: {cow}{took}; table of seq "
+                f"{seq_id} is now {table}, length {start + n}.")
 
     def _render(self) -> None:
         """Redraw the view and bring the controls in line with the state (without triggering them)."""
         self.view.value = render_html(self.cache, selected=self._selected, lookup=self._lookup,
-                                      log=self._log, error=self._error)
+                                      copied=self._copied, log=self._log, error=self._error)
         self._syncing = True
         try:
             options = [(f"seq {s}", s) for s in self.cache.tables]
@@ -277,6 +395,11 @@ class BlockTableTracer:
                                 "pt-n", "90px", "18px")
         self.append_n_button = _button("Append N", "pt-append-n", "fast-forward",
                                        "append N tokens at once (a prompt)")
+        self.add_prompt_button = _button("Add with prompt N", "pt-add-prompt", "plus-square",
+                                         "register a new sequence with an N-token prompt (prefix caching "
+                                         "looks it up)")
+        self.fork_button = _button("Fork", "pt-fork", "code-fork",
+                                   "fork the selected sequence: a new sequence sharing all its blocks")
         self.free_button = _button("Free", "pt-free", "trash", "free the selected sequence")
         self.reset_button = _button("Reset", "pt-reset", "refresh", "start again from an empty pool")
         self.position = _styled(widgets.IntText(value=0, description="position"), "pt-pos")
@@ -287,9 +410,11 @@ class BlockTableTracer:
         self.play.add_class("pt-play")
         play_label = widgets.Label("scenario: two sequences interleave, one is freed, its blocks are reused")
         self.widget = widgets.VBox([
-            widgets.HBox([self.seq_picker, self.add_button, self.append_button, self.n_tokens,
-                          self.append_n_button, self.free_button, self.reset_button]),
-            widgets.HBox([self.position, self.lookup_button, self.play, play_label]),
+            widgets.HBox([self.seq_picker, self.add_button, self.append_button, self.fork_button,
+                          self.free_button, self.reset_button]),
+            widgets.HBox([self.n_tokens, self.append_n_button, self.add_prompt_button, self.position,
+                          self.lookup_button]),
+            widgets.HBox([self.play, play_label]),
             self.view,
         ])
         self.widget.add_class("pt-widget")
@@ -299,6 +424,8 @@ class BlockTableTracer:
         self.add_button.on_click(lambda _: self._from_ui(self.add_sequence))
         self.append_button.on_click(lambda _: self._from_ui(self.append, None, 1))
         self.append_n_button.on_click(lambda _: self._from_ui(self.append, None, self.n_tokens.value))
+        self.add_prompt_button.on_click(lambda _: self._from_ui(self.add_sequence, self.n_tokens.value))
+        self.fork_button.on_click(lambda _: self._from_ui(self.fork))
         self.free_button.on_click(lambda _: self._from_ui(self.free))
         self.reset_button.on_click(lambda _: self._from_ui(self.reset))
         self.lookup_button.on_click(lambda _: self._from_ui(self.lookup, None, self.position.value))
@@ -348,3 +475,21 @@ def _styled(w: widgets.DOMWidget, css: str, width: str = "180px", label_width: s
     w.style.description_width = label_width
     w.add_class(css)
     return w
+
+
+def _s(items: Sequence[object]) -> str:
+    """The plural ``s`` for a list of ``items``."""
+    return "s" if len(items) > 1 else ""
+
+
+def _ids(blocks: Sequence[int]) -> str:
+    """``block 3`` or ``blocks 3, 5``."""
+    return f"block{_s(blocks)} {', '.join(map(str, blocks))}"
+
+
+def _taken(block: int, evicted: Sequence[int], verb: bool = False) -> str:
+    """How ``block`` was taken: popped from the free stack, or evicted from the cached free blocks."""
+    if verb:
+        return (f"cached block {block} was evicted (the free stack is empty)" if block in evicted else
+                f"block {block} was popped from the free stack")
+    return " (evicted from the cached free blocks)" if block in evicted else ""

@@ -2,7 +2,9 @@
 
 The test writes a small notebook that builds the article's trace, runs all its cells in JupyterLab, clicks
 "Append token" across a block boundary and checks that the rendered pool shows block 9 leaving the free
-stack and joining seq 0's table. On failure it saves a screenshot to ``test-artifacts/``.
+stack and joining seq 0's table; later it forks a sequence ("Fork") and appends to the child, and checks
+the shared block's count and the copy-on-write (the copied block, its highlight, the copy counter). On
+failure it saves a screenshot to ``test-artifacts/``.
 
 Outside CI the test skips (saying why) when Chromium or playwright is missing; with ``CI=true`` a missing
 browser is a failure. ``PAGEDLIB_TRACER_SCREENSHOT=<path.png>`` also saves the widget mid-trace there (how
@@ -186,15 +188,36 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             expect(view.locator("[data-role='lookup']")).to_contain_text("8 // 4 = 2")
             expect(view.locator("[data-role='lookup']")).to_contain_text("physical block 9")
 
-            shot = os.environ.get("PAGEDLIB_TRACER_SCREENSHOT")
-            if shot:
-                widget.screenshot(path=shot)
-
             position.fill("99")  # out of range: the error shows, nothing changes, the box snaps back
             position.press("Enter")
             expect(view.locator("[data-role='error']")).to_contain_text("Nothing changed")
             expect(position).to_have_value("8")
             expect(view.locator("[data-role='lookup']")).to_contain_text("physical block 9")
+
+            # fork seq 1 (5 tokens: block 1 holds 1 of 4) into seq 2: both blocks shared, nothing copied
+            widget.locator(".pt-seq select").select_option(label="seq 1")
+            widget.locator(".widget-button.pt-fork").click()
+            block1 = view.locator("[data-block='1']")
+            expect(view.locator("[data-seq='2']")).to_have_attribute("data-len", "5")
+            expect(block1).to_have_attribute("data-holders", "1 2")
+            expect(block1.locator(".pt-refs")).to_have_text("×2")
+            expect(view.locator("[data-role='counts']")).to_have_attribute("data-copies", "0")
+            # seq 2's next token would land in shared block 1: it is copied first, to block 3 (the stack top)
+            append.click()
+            block3 = view.locator("[data-block='3']")
+            expect(view.locator("[data-role='counts']")).to_have_attribute("data-copies", "1")
+            expect(view.locator("[data-seq='2'] [data-entry]")).to_have_text(["0", "3"])
+            expect(block1).to_have_attribute("data-holders", "1")
+            expect(block3).to_have_attribute("data-holders", "2")
+            expect(block3).to_have_class("pt-block is-copy is-lookup")
+            expect(block3).to_contain_text("copy of 1")
+            expect(block3.locator("[data-slot='1']")).to_have_text("s2:t5")
+            expect(view.locator("[data-role='log']")).to_contain_text("block 1 was shared (2 refs)")
+            expect(view.locator("[data-role='log']")).to_contain_text("to block 3")
+
+            shot = os.environ.get("PAGEDLIB_TRACER_SCREENSHOT")
+            if shot:
+                widget.screenshot(path=shot)
 
             # Play: each tick of the frontend's timer applies one scripted step in the kernel; Stop resets
             play_buttons = widget.locator(".pt-play button")

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_unchanged, snapshot
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from pagedlib.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.colors import CACHED_COLOR, FREE_COLOR
 from pagedlib.tracer import SCENARIO, BlockTableTracer
 from pagedlib.tracer_view import MAX_SEQUENCES, MAX_SLOTS, _block_card, render_html
 
@@ -103,21 +106,41 @@ def shown_state(tracer: BlockTableTracer) -> tuple:
     return html, tracer.selected, list(picker.options), picker.value, tracer.position.value
 
 
+def queue_shown(tree: _Tree) -> list[int]:
+    queue = tree.one("data-role", "cached-queue")
+    return [int(n.attrs["data-queued"]) for n in queue.iter() if "data-queued" in n.attrs]
+
+
+def card(tree: _Tree, block: int) -> _Node:
+    return tree.one("data-block", str(block))
+
+
 def assert_view_matches_cache(tracer: BlockTableTracer) -> None:
-    """Everything the picture claims, checked against the cache it draws."""
+    """Everything the picture claims, checked against the cache it draws, and every sequence reads back
+    its own positions (token ``p`` is written as ``k = v = p``, shared or not)."""
     cache, tree = tracer.cache, view(tracer)
     cache.check_invariants()
-    expected = {b: "" for b in range(cache.num_blocks)}
-    for s, table in cache.tables.items():
-        expected.update({b: str(s) for b in table})
-    assert holders(tree) == expected
+    assert holders(tree) == {b: " ".join(map(str, hs)) for b, hs in enumerate(cache.block_holders())}
     assert free_stack_shown(tree) == cache.free[::-1]  # top first
+    queue = list(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else []
+    if cache.prefix_cache is not None:
+        assert queue_shown(tree) == queue
+    for b in range(cache.num_blocks):
+        node = card(tree, b)
+        assert node.attrs["data-refs"] == str(cache.ref_count(b))
+        assert ("is-shared" in node.classes) == (cache.ref_count(b) > 1)
+        assert ("is-cached" in node.classes) == (b in queue)
+    assert tree.one("data-role", "counts").attrs["data-copies"] == str(cache.cow_copies)
     for s, table in cache.tables.items():
         assert table_shown(tree, s) == table
         assert tree.one("data-seq", str(s)).attrs["data-len"] == str(cache.seq_lens[s])
         for pos in range(cache.seq_lens[s]):
             block, offset = cache.slot(s, pos)
-            assert slot_labels(tree, block)[offset] == f"s{s}:t{pos}"
+            label = f"s{s}:t{pos}" if cache.ref_count(block) == 1 else f"t{pos}"
+            assert slot_labels(tree, block)[offset] == label
+        k, v = cache.gather(s)  # [1, len, 1, 2]
+        positions = torch.arange(cache.seq_lens[s], dtype=k.dtype)
+        assert torch.equal(k[0, :, 0, 0], positions) and torch.equal(v[0, :, 0, 1], positions)
 
 
 def test_a_fresh_pool_shows_every_block_free_with_the_stack_top_marked():
@@ -328,7 +351,10 @@ def test_numpy_integers_work_and_bad_arguments_are_named():
     s = tracer.add_sequence()
     for call, name in [(lambda: tracer.append(s, 2.0), "n"), (lambda: tracer.append(s, True), "n"),
                        (lambda: tracer.lookup(s, "1"), "pos"), (lambda: tracer.select(1.5), "seq_id"),
-                       (lambda: tracer.free("0"), "seq_id"),
+                       (lambda: tracer.free("0"), "seq_id"), (lambda: tracer.fork(2.5), "seq_id"),
+                       (lambda: tracer.add_sequence(True), "prompt_len"),
+                       (lambda: tracer.add_sequence(-1), "prompt_len"),
+                       (lambda: BlockTableTracer(enable_prefix_caching=1), "enable_prefix_caching"),
                        (lambda: tracer.play_to(len(SCENARIO) + 1), "step"),
                        (lambda: BlockTableTracer(num_blocks=True), "num_blocks"),
                        (lambda: BlockTableTracer(block_size=0), "block_size")]:
@@ -410,12 +436,41 @@ def test_html_is_deterministic_and_styled_inline():
 
 
 def test_a_shared_block_lists_its_holders_and_reference_count():
-    """The view is ready for shared blocks (notebook 06): a block card takes all the sequences holding it."""
-    card = _Tree(_block_card(3, [0, 2], ["s0:t4", "s0:t5", "", ""]))
-    block = card.one("data-block", "3")
-    assert block.attrs["data-holders"] == "0 2"
-    assert "seq 0, 2 (2 refs)" in block.all_text()
+    """A block card takes all the sequences holding it: a shared one shows them and a ``×N`` badge."""
+    block = _Tree(_block_card(3, [0, 2], ["t4", "t5", "", ""])).one("data-block", "3")
+    assert block.attrs["data-holders"] == "0 2" and block.attrs["data-refs"] == "2"
+    assert "is-shared" in block.classes and "border:2px solid #111" in block.attrs["style"]
+    assert "seq 0, 2×2" in block.all_text()
+    many = _Tree(_block_card(3, [0, 1, 2, 3, 4], ["t4"])).one("data-block", "3")
+    assert "seq 0, 1, 2, +2×5" in many.all_text() and many.attrs["title"] == "held by seq 0, 1, 2, 3, 4"
+    alone = _Tree(_block_card(3, [1], ["s1:t4"])).one("data-block", "3")
+    assert "is-shared" not in alone.classes and "×" not in alone.all_text()
     assert _Tree(_block_card(3, [], ["", ""])).one("data-block", "3").attrs["data-holders"] == ""
+
+
+def test_render_html_draws_shared_and_cached_free_blocks_of_a_cache_built_directly():
+    """The view reads sharing from the cache's public state, whoever built the cache."""
+    cache = PagedKVCache(6, 1, 2, 1, 2, enable_prefix_caching=True)
+    kv = torch.zeros(1, 3, 1, 2)
+    cache.add_sequence(0)  # seq 0: tokens 7, 8, 9 in blocks [0, 1]; block 0 is full: cached
+    cache.append_tokens(0, kv, kv, token_ids=[7, 8, 9])
+    cache.fork(0, 1)
+    cache.add_sequence(2)
+    cache.append_tokens(2, kv, kv, token_ids=[1, 2, 3])  # blocks [2, 3]
+    cache.free_sequence(2)  # block 2 (full) waits in the cached queue, block 3 goes on the stack
+    tree = _Tree(render_html(cache))
+    for b in (0, 1):
+        assert card(tree, b).attrs["data-holders"] == "0 1" and "×2" in card(tree, b).all_text()
+    assert slot_labels(tree, 1) == ["t2", "·"]
+    cached, plain = card(tree, 2), card(tree, 3)
+    assert "is-cached" in cached.classes and CACHED_COLOR in cached.attrs["style"]
+    assert "cached, free" in cached.all_text() and slot_labels(tree, 2) == ["t0", "t1"], "its content stays"
+    assert "is-cached" not in plain.classes and CACHED_COLOR not in plain.attrs["style"]
+    assert FREE_COLOR in plain.attrs["style"] and slot_labels(tree, 3) == ["·", "·"]
+    assert queue_shown(tree) == [2] and free_stack_shown(tree)[0] == 3
+    counts = " ".join(tree.one("data-role", "counts").all_text().split())
+    assert "2 blocks used (2 shared), 4 free (1 cached)" in counts and "copies: 0" in counts
+    assert "0 of 0 prompt tokens found" in counts
 
 
 def test_forty_clicks_in_a_row_fill_blocks_in_order():
@@ -441,3 +496,189 @@ def test_click_benchmark_runs_and_writes_json(tmp_path, capsys):
                                             f"render the largest view ({MAX_SLOTS} slots)"]
     assert rows[-1]["html_kib"] < 512, "the largest view the tracer allows stays under 0.5 MiB"
     assert "append token" in capsys.readouterr().out
+
+
+def log_shown(tracer: BlockTableTracer) -> str:
+    return " ".join(view(tracer).one("data-role", "log").all_text().split())
+
+
+def test_fork_and_copy_on_write_through_the_buttons():
+    tracer = BlockTableTracer()
+    cache = tracer.cache
+    tracer.add_button.click()
+    tracer.n_tokens.value = 6
+    tracer.append_n_button.click()  # seq 0: positions 0-5 in blocks [0, 1]; block 1 holds 2 of 4
+    pools = cache.k.clone(), cache.v.clone()
+
+    tracer.fork_button.click()
+    tree = view(tracer)
+    assert tracer.selected == 1 and cache.tables == {0: [0, 1], 1: [0, 1]} and cache.seq_lens[1] == 6
+    assert cache.ref_counts[:3] == [2, 2, 0] and cache.cow_copies == 0
+    assert torch.equal(cache.k, pools[0]) and torch.equal(cache.v, pools[1]), "a fork copies no K/V"
+    assert holders(tree)[0] == holders(tree)[1] == "0 1"
+    assert "×2" in card(tree, 1).all_text() and slot_labels(tree, 1) == ["t4", "t5", "·", "·"]
+    assert all("is-shared" in n.classes for n in tree.one("data-seq", "1").iter() if "data-entry" in n.attrs)
+    assert "Forked seq 0 into seq 1" in log_shown(tracer) and "copy-on-write" in log_shown(tracer)
+    assert_view_matches_cache(tracer)
+
+    original = cache.k[1].clone(), cache.v[1].clone()
+    tracer.append_button.click()  # position 6 of seq 1 would land in shared block 1: copy it first
+    tree = view(tracer)
+    assert cache.tables == {0: [0, 1], 1: [0, 2]} and cache.seq_lens == {0: 6, 1: 7}
+    assert cache.ref_counts[:3] == [2, 1, 1] and cache.cow_copies == 1
+    copied = cache.k[2, :, :2], cache.v[2, :, :2]  # the 2 tokens block 1 held, every layer
+    assert torch.equal(copied[0], original[0][:, :2]) and torch.equal(copied[1], original[1][:, :2])
+    assert torch.equal(cache.k[1], original[0]) and torch.equal(cache.v[1], original[1]), "seq 0's K/V stay"
+    copy = card(tree, 2)
+    assert "is-copy" in copy.classes and "copy of 1" in copy.all_text()
+    assert [n.attrs["data-block"] for n in tree.find("data-block") if "is-copy" in n.classes] == ["2"]
+    log = log_shown(tracer)
+    assert "block 1 was shared (2 refs)" in log and "copied its 2 tokens" in log and "to block 2" in log
+    assert "offset 2 of block 2" in log and "block 1 keeps 1 ref" in log
+    assert tree.one("data-role", "counts").attrs["data-copies"] == "1"
+    assert "copy-on-write copies: 1" in tree.one("data-role", "counts").all_text()
+    assert_view_matches_cache(tracer)
+
+    tracer.append_button.click()  # seq 1 holds block 2 alone: written in place, the highlight goes
+    assert cache.cow_copies == 1 and not [n for n in view(tracer).root.iter() if "is-copy" in n.classes]
+    tracer.seq_picker.value = 0
+    tracer.append_button.click()  # block 1 is seq 0's alone again: no copy either
+    assert cache.cow_copies == 1 and cache.tables[0] == [0, 1] and cache.seq_lens[0] == 7
+    assert_view_matches_cache(tracer)
+
+    tracer.free_button.click()  # seq 0: block 0 stays for seq 1, block 1 is free
+    assert cache.ref_counts[:2] == [1, 0] and "block 0 stays" in log_shown(tracer)
+    assert_view_matches_cache(tracer)
+
+
+def test_a_fork_of_full_blocks_never_copies():
+    tracer = BlockTableTracer()
+    tracer.append(tracer.add_sequence(), 8)
+    child = tracer.fork()
+    assert "nothing will be copied" in log_shown(tracer)
+    tracer.append(child, 1)
+    tracer.append(0, 1)
+    assert tracer.cache.cow_copies == 0 and tracer.cache.tables == {0: [0, 1, 3], 1: [0, 1, 2]}
+    assert_view_matches_cache(tracer)
+
+
+def test_a_failed_fork_or_copy_on_write_changes_nothing():
+    tracer = BlockTableTracer(num_blocks=3)
+    tracer.append(tracer.add_sequence(), 6)  # blocks [0, 1], one free
+    tracer.fork()
+    tracer.append(1, 1)  # copies block 1 into block 2: the pool is now full
+    before, shown = snapshot(tracer.cache), shown_state(tracer)
+    assert "is-copy" in shown[0]
+    tracer.fork_button.click()  # seq 2 shares everything: still no block needed
+    tracer.append_button.click()  # seq 2's last block (2) is shared: the copy needs a block, none is free
+    assert "1 needed, 0 free" in error_shown(tracer) and "Nothing changed" in error_shown(tracer)
+    assert tracer.cache.cow_copies == 1 and tracer.cache.tables[2] == [0, 2]
+    tracer.free(2)
+    assert_unchanged(tracer.cache, before)
+
+    tracer.select(1)
+    tracer.append(1, 1)  # a copy highlight, then a failed click: the view stays as it was
+    shown = shown_state(tracer)
+    with pytest.raises(OutOfBlocksError):
+        tracer.append(1, 5)
+    assert shown_state(tracer) == shown
+    for call, error in [(lambda: tracer.fork(99), KeyError), (lambda: tracer.fork("0"), ValueError)]:
+        before = snapshot(tracer.cache)
+        with pytest.raises(error):
+            call()
+        assert_unchanged(tracer.cache, before)
+    empty = BlockTableTracer()
+    with pytest.raises(ValueError, match="no sequence selected"):
+        empty.fork()
+    many = BlockTableTracer()
+    many.append(many.add_sequence(), 1)
+    for _ in range(MAX_SEQUENCES - 1):
+        many.fork_button.click()
+    many.fork_button.click()
+    assert f"at most {MAX_SEQUENCES} sequences" in error_shown(many)
+    assert len(many.cache.tables) == MAX_SEQUENCES and many.cache.ref_count(0) == MAX_SEQUENCES
+    assert f"seq 0, 1, 2, +{MAX_SEQUENCES - 3}×{MAX_SEQUENCES}" in card(view(many), 0).all_text()
+
+
+def test_prefix_caching_hits_cached_free_blocks_and_eviction():
+    tracer = BlockTableTracer(enable_prefix_caching=True)
+    cache = tracer.cache
+    tracer.n_tokens.value = 9
+    tracer.add_prompt_button.click()  # seq 0: positions 0-8 in blocks [0, 1, 2]; blocks 0 and 1 are full
+    assert cache.tables[0] == [0, 1, 2] and [cache.is_cached(b) for b in range(3)] == [True, True, False]
+    assert card(view(tracer), 0).attrs["data-cached"] == "1"
+    tracer.n_tokens.value = 10
+    tracer.add_prompt_button.click()  # seq 1: positions 0-7 are found in blocks 0, 1, only 8-9 are written
+    assert cache.tables[1] == [0, 1, 3] and cache.ref_counts[:4] == [2, 2, 1, 1]
+    assert cache.prefix_cache_stats()["hit_tokens"] == 8
+    assert ("found its first 8 tokens in cached blocks 0, 1 (attached, not written again); the rest: "
+            "positions 8..9 (2 tokens) written at once") in log_shown(tracer)
+    assert_view_matches_cache(tracer)
+
+    tracer.free(0)  # block 2 (partly filled) goes on the stack; 0 and 1 stay with seq 1
+    tracer.free(1)  # now 0 and 1 keep their K/V, free but findable; block 3 goes on the stack
+    tree = view(tracer)
+    assert list(cache.prefix_cache.free_queue) == [1, 0] and cache.num_free_blocks == 12
+    assert "blocks 0, 1 keep their K/V as cached free blocks" in log_shown(tracer)
+    for b in (0, 1):
+        assert "is-cached" in card(tree, b).classes and CACHED_COLOR in card(tree, b).attrs["style"]
+    assert slot_labels(tree, 1) == ["t4", "t5", "t6", "t7"]
+    assert CACHED_COLOR not in card(tree, 2).attrs["style"] and FREE_COLOR in card(tree, 2).attrs["style"]
+    counts = " ".join(tree.one("data-role", "counts").all_text().split())
+    assert "12 free (2 cached) · copy-on-write copies: 0 · prefix cache: 8 of 19 prompt tokens" in counts
+    assert_view_matches_cache(tracer)
+
+    s = tracer.add_sequence(5)  # a later prompt finds block 0 among the cached free blocks
+    assert cache.tables[s][0] == 0 and list(cache.prefix_cache.free_queue) == [1]
+    assert_view_matches_cache(tracer)
+
+    small = BlockTableTracer(num_blocks=3, enable_prefix_caching=True)
+    small.free(small.add_sequence(8))  # blocks 0, 1 wait in the queue (1 evicted first), 2 on the stack
+    small.append(small.add_sequence(), 12)  # no lookup: pops 2, then evicts 1 and 0
+    assert small.cache.tables[1] == [2, 1, 0] and small.cache.prefix_cache_stats()["evicted_blocks"] == 2
+    assert "blocks [1, 0] evicted from the cached free blocks" in log_shown(small)
+    assert_view_matches_cache(small)
+
+
+def test_a_prompt_that_does_not_fit_changes_nothing_even_after_a_hit():
+    """The prompt's blocks are counted before the cache looks anything up: a hit on a cached free block
+    makes that block busy, so it no longer counts as free for the rest of the prompt."""
+    tracer = BlockTableTracer(num_blocks=4, enable_prefix_caching=True)
+    tracer.free(tracer.add_sequence(9))  # blocks 0, 1 cached free; 2 (partly filled) and 3 on the stack
+    tracer.add_sequence(1)  # seq 1 takes block 2: 3 blocks free, 2 of them cached
+    before, shown = snapshot(tracer.cache), shown_state(tracer)
+    tracer.n_tokens.value = 13  # 8 tokens found in blocks 0, 1; 5 more need 2 blocks, only 1 is left
+    tracer.add_prompt_button.click()
+    assert ("out of KV blocks for the last 5 tokens of a 13-token prompt of sequence 2 (the first 8 are "
+            "cached): 2 needed, 1 free") in error_shown(tracer)
+    assert_unchanged(tracer.cache, before)  # the prefix cache's query counters included
+    assert shown_state(tracer) == shown
+    assert tracer.add_sequence(12) == 2 and tracer.cache.tables[2] == [0, 1, 3]
+    assert_view_matches_cache(tracer)
+
+
+@settings(max_examples=80, deadline=None)
+@given(prefix=st.booleans(), ops=st.lists(st.tuples(st.sampled_from(
+    ["prompt", "prompt", "append", "append_n", "fork", "free", "select"]), st.integers(0, 12)),
+    min_size=8, max_size=30))
+def test_random_clicks_keep_the_view_and_the_cache_in_agreement(prefix, ops):
+    """Any sequence of clicks: each succeeds or changes nothing, and the picture always matches the cache."""
+    tracer = BlockTableTracer(num_blocks=8, enable_prefix_caching=prefix)
+    for op, x in ops:
+        before, shown = snapshot(tracer.cache), shown_state(tracer)
+        live = list(tracer.cache.tables)
+        tracer.n_tokens.value = x
+        if op == "select" and live:
+            tracer.seq_picker.value = live[x % len(live)]
+            continue
+        button = {"add": tracer.add_button, "prompt": tracer.add_prompt_button, "fork": tracer.fork_button,
+                  "append": tracer.append_button, "append_n": tracer.append_n_button,
+                  "free": tracer.free_button, "select": tracer.add_button}[op]
+        button.click()
+        if view(tracer).find("data-role", "error"):
+            assert_unchanged(tracer.cache, before)
+            assert shown_state(tracer) == shown
+        assert_view_matches_cache(tracer)
+    cache, stats = tracer.cache, tracer.cache.prefix_cache_stats()  # pytest --hypothesis-show-statistics
+    event(f"copy-on-write: {cache.cow_copies > 0}, prefix hits: {stats['hit_tokens'] > 0}, "
+          f"evictions: {stats['evicted_blocks'] > 0}")
