@@ -782,7 +782,7 @@ def _result(sched: Scheduler, rec: _Recorder, num_requests: int) -> SimResult:
 COLUMNS = ["policy", "kv_util", *CATEGORIES, "mean_running", "saturated_running", "peak_running",
            "preemptions", "recomputed", "steps", "latency", "leaked"]
 
-WORKLOADS = {"sharegpt": sharegpt_like, "alpaca": alpaca_like}
+WORKLOADS = {"sharegpt": sharegpt_like, "alpaca": alpaca_like, "shared": shared_prompt_like}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -797,16 +797,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="add a row: paged with prefix caching (needs --workload shared)")
     p.add_argument("--json", metavar="FILE", help="also write the rows and settings as JSON")
     args = p.parse_args(argv)
+    if args.enable_prefix_caching and args.workload != "shared":
+        p.error("--enable-prefix-caching needs --workload shared (requests with token ids)")
     from pagedlib.bench import print_table, write_json
 
     requests = WORKLOADS[args.workload](args.num_requests, args.seed, rate=args.rate)
-    rows = [simulate(requests, policy, args.budget_blocks, args.block_size, max_num_seqs=args.max_num_seqs,
-                     progress=True).row() for policy in args.policies]
+    runs = [(policy, False) for policy in args.policies] + [("paged", True)] * args.enable_prefix_caching
+    rows = [{**simulate(requests, policy, args.budget_blocks, args.block_size, max_num_seqs=args.max_num_seqs,
+                        enable_prefix_caching=caching, progress=True).row(), "prefix_caching": caching}
+            for policy, caching in runs]
     title = (f"{args.workload}-like, {args.num_requests} requests, rate {args.rate}/step, seed {args.seed}; "
              f"budget {args.budget_blocks} blocks x {args.block_size} tokens")
-    print_table(rows, COLUMNS, title=title)
+    extra = ["prefix_caching", "hit_rate", "prefill", "cached"] if args.enable_prefix_caching else []
+    print_table(rows, COLUMNS + extra, title=title)
     if args.json:
         write_json(args.json, {"settings": vars(args), "rows": rows})
     return 0

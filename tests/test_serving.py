@@ -435,3 +435,15 @@ def test_shared_prompt_workload_with_prefix_caching_saves_prefill_and_memory():
     assert on.prefill_tokens < off.prefill_tokens / 2
     assert on.saturated_running > 1.5 * off.saturated_running and on.steps < off.steps
     assert on.tokens_generated == off.tokens_generated == sum(r.output_len for r in reqs)
+
+
+def test_command_line_with_prefix_caching(tmp_path, capsys):
+    out = tmp_path / "shared.json"
+    assert main(["--workload", "shared", "--num-requests", "40", "--budget-blocks", "200",
+                 "--policies", "paged", "--enable-prefix-caching", "--json", str(out)]) == 0
+    assert "hit_rate" in capsys.readouterr().out
+    off, on = json.loads(out.read_text())["rows"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True) and "hit_rate" not in off
+    assert on["hit_rate"] > 0.5 and on["prefill"] < off["prefill"] and on["leaked"] == 0
+    with pytest.raises(SystemExit):
+        main(["--workload", "sharegpt", "--enable-prefix-caching"])
