@@ -11,6 +11,10 @@ Three pieces, the same three as nano-vllm's ``LLMEngine`` and vLLM's engine core
 - the **engine** keeps each request's tokens, picks the next token (greedy: ``argmax``), and hands
   finished requests back to the scheduler, which frees their blocks.
 
+With ``enable_prefix_caching=True`` the cache finds full blocks again by their token ids (notebook 06):
+the scheduler looks each admitted request's tokens up and attaches the blocks found, and the model
+prefills only the tokens after them; every append carries its token ids.
+
 ``generate`` is that loop until every request is done. ``add_request`` / ``step`` expose it one step at a
 time (notebook 08 watches the block tables between steps).
 """
@@ -32,11 +36,13 @@ PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new
 
 @dataclass
 class EngineStats:
-    """What the engine did since it was built (``prefill_tokens`` counts recomputed tokens again)."""
+    """What the engine did since it was built (``prefill_tokens`` counts recomputed tokens again;
+    ``cached_tokens``: tokens found in the prefix cache at admission, attached instead of prefilled)."""
 
     steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    cached_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0            # most blocks held at once
@@ -63,9 +69,10 @@ class Engine:
         num_blocks, block_size: the KV pool; the cache is ``engine.cache``.
         attention: decode attention, ``"torch"`` (``paged_attention``) or ``"triton"`` (the fused kernel;
             ``block_size`` must then be a power of two up to 128).
-        enable_prefix_caching: share the blocks of a common prompt prefix between requests. Needs the
-            reference-counted cache with prefix hashing of notebook 06, which ``PagedKVCache`` does not
-            offer yet: ``True`` raises ``ValueError``.
+        enable_prefix_caching: find the full blocks of a prompt's leading tokens that an earlier request
+            computed (in use or freed but kept) and attach them instead of prefilling those tokens again
+            (``PagedKVCache``'s prefix caching, notebook 06); ``engine.cache.prefix_cache_stats()`` counts
+            the hits.
         max_num_seqs: most requests in the running batch.
     """
 
@@ -81,14 +88,12 @@ class Engine:
         if attention == "triton" and (block_size > 128 or block_size & (block_size - 1)):
             raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
                              f"got {block_size}")
-        if enable_prefix_caching is not False:
-            raise ValueError("enable_prefix_caching=True needs the prefix-caching cache of notebook 06 "
-                             "(reference-counted blocks found by the hash of their tokens), which "
-                             "PagedKVCache does not offer yet; use enable_prefix_caching=False")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.model = model
         self.attention = attention
         self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
-        self.cache = model.new_cache(num_blocks, block_size)
+        self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = self._new_scheduler()
         self.tokens: dict[int, list[int]] = {}     # request id -> prompt + generated tokens
         self.prompt_lens: dict[int, int] = {}
@@ -104,8 +109,13 @@ class Engine:
 
     def _new_scheduler(self) -> Scheduler:
         capacity = self.cache.num_blocks * self.cache.block_size
+        caching = self.cache.prefix_cache is not None
         return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs,
-                         max_model_len=capacity + 1)
+                         max_model_len=capacity + 1, token_ids=self._token_ids if caching else None)
+
+    def _token_ids(self, request: Request, n: int) -> list[int]:
+        """The first ``n`` tokens of a request (prompt, then generated): what the scheduler looks up."""
+        return self.tokens[request.req_id][:n]
 
     # ---------------------------------------------------------------------------------------------
     # one request, one step
@@ -132,10 +142,13 @@ class Engine:
             sampled.update(zip(ids, logits.argmax(-1).tolist()))
         if plan.prefill:
             ids = [r.req_id for r, _ in plan.prefill]
-            assert all(n == len(self.tokens[r.req_id]) for r, n in plan.prefill)
-            logits = self.model.prefill(self.cache, ids, [self.tokens[i] for i in ids])
+            found = [self.cache.seq_lens[i] for i in ids]          # tokens in the blocks the cache found
+            todo = [self.tokens[i][n:] for i, n in zip(ids, found)]  # the rest: prefilled
+            assert [len(t) for t in todo] == [n for _, n in plan.prefill]
+            logits = self.model.prefill(self.cache, ids, todo)
             sampled.update(zip(ids, logits.argmax(-1).tolist()))
-            self.stats.prefill_tokens += sum(n for _, n in plan.prefill)
+            self.stats.prefill_tokens += sum(map(len, todo))
+            self.stats.cached_tokens += sum(found)
         self._account(plan)
         for i, token in sampled.items():
             self.tokens[i].append(token)
@@ -208,9 +221,14 @@ class Engine:
         return out
 
     def reset(self) -> None:
-        """Drop every request and free every block (after an error, or to start over)."""
+        """Drop every request and free every block (after an error, or to start over). With prefix
+        caching the cache is rebuilt empty: a block registered by an interrupted prefill may hold
+        placeholder K/V, and must never be found."""
         for seq_id in list(self.cache.seq_lens):
             self.cache.free_sequence(seq_id)
+        if self.cache.prefix_cache is not None:
+            c = self.cache
+            self.cache = self.model.new_cache(c.num_blocks, c.block_size, enable_prefix_caching=True)
         self.scheduler = self._new_scheduler()
         self.tokens.clear()
         self.prompt_lens.clear()

@@ -265,11 +265,12 @@ class PagedLlama(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    def new_cache(self, num_blocks: int, block_size: int = 16, *,
+                  enable_prefix_caching: bool = False) -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype and device."""
         s = self.shape
         return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.dtype, device=self.device, enable_prefix_caching=enable_prefix_caching)
 
     # ---------------------------------------------------------------------------------------------
     # the two steps
@@ -279,7 +280,9 @@ class PagedLlama(nn.Module):
                 *, attention: str = "torch") -> torch.Tensor:
         """Append ``prompts[i]`` (>= 1 token each) to live sequence ``seq_ids[i]`` and run them through
         the model; attention is causal over everything the sequence holds (a chunk after earlier tokens
-        works too). Always ``paged_prefill_attention``: ``attention`` only picks the decode kernel.
+        works too: after the blocks a prefix-cache hit attached, only the rest of the prompt is passed).
+        Always ``paged_prefill_attention``: ``attention`` only picks the decode kernel. The token ids go
+        to the cache with the slots (a prefix cache registers full blocks by them).
 
         Returns:
             ``[batch, vocab_size]`` logits after each prompt's last token.
@@ -297,7 +300,7 @@ class PagedLlama(nn.Module):
             raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")
         starts = [cache.seq_lens[s] for s in seq_ids]
         for s, p in zip(seq_ids, prompts):
-            cache.append_tokens(s, *self._placeholder(cache, len(p)))              # reserve the slots
+            cache.append_tokens(s, *self._placeholder(cache, len(p)), token_ids=p)  # reserve the slots
         return self._forward(self._step(cache, seq_ids, starts, prompts, None), cache)
 
     @torch.no_grad()
@@ -317,7 +320,8 @@ class PagedLlama(nn.Module):
             raise ValueError("decode needs at least one sequence")
         attend = _decode_attention(attention)             # imports triton when asked: before any change
         starts = [cache.seq_lens[s] for s in seq_ids]
-        cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)))      # reserve the slots
+        cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)),
+                           token_ids=[p[0] for p in prompts])                       # reserve the slots
         return self._forward(self._step(cache, seq_ids, starts, prompts, attend), cache)
 
     # ---------------------------------------------------------------------------------------------

@@ -528,3 +528,30 @@ def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") 
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     ax.set_title(title or "Blocks held per request (x: preempted, o: finished)", fontsize=9)
     return fig
+
+
+def plot_prefix_caching(results: dict[str, object], title: str = "") -> Figure:
+    """Prefix caching off against on, at the same budget (``results``: label -> ``SimResult``). Left: the
+    running requests at each step. Right: the prompt tokens of every admission (recomputations included),
+    split into those prefilled (K/V computed) and those found in the prefix cache, in thousands."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.2), layout="constrained",
+                                      gridspec_kw={"width_ratios": [2, 1]})
+    colors = (OWNER_COLORS[3], OWNER_COLORS[0])
+    for (label, r), color in zip(results.items(), colors):
+        left.plot(r.series["step"], r.series["running"], color=color, lw=0.9, label=label)
+    left.set_xlabel("step (one batched forward pass)")
+    left.set_ylabel("running requests")
+    left.grid(alpha=0.3)
+    left.legend(frameon=False, fontsize=8)
+    labels = list(results)
+    computed = [r.prefill_tokens / 1000 for r in results.values()]
+    found = [r.cached_tokens / 1000 for r in results.values()]
+    right.bar(labels, computed, color=OWNER_COLORS[3], label="prefilled (computed)")
+    right.bar(labels, found, bottom=computed, color=CACHED_COLOR, label="found in the cache")
+    right.set_ylabel("tokens at admission (thousands)")
+    right.set_ylim(0, 1.35 * max(c + f for c, f in zip(computed, found)))   # room for the legend
+    right.legend(frameon=False, fontsize=8, loc="upper center")
+    right.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig

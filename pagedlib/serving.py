@@ -29,7 +29,7 @@ import math
 import numbers
 import sys
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -38,13 +38,15 @@ import torch
 
 from pagedlib.cache import PagedKVCache
 from pagedlib.checks import as_int, ceil_div
+from pagedlib.prefix_cache import BlockKey
 from pagedlib.window import release_outside_window
 
 __all__ = [
     "ALPACA", "CATEGORIES", "POLICIES", "SHAREGPT", "FirstFit", "LengthModel", "Occupancy", "Request",
     "RequestResult",
-    "PAPER_FIGURE13", "PAPER_FIGURE2", "Scheduler", "SimResult", "StepPlan", "alpaca_like", "main",
-    "sharegpt_like", "shared_prompt_like", "simulate", "synthetic_workload", "write_fake_kv",
+    "PAPER_FIGURE13", "PAPER_FIGURE2", "Scheduler", "SimResult", "StepPlan", "alpaca_like", "cached_prefix",
+    "fake_token_ids", "main", "sharegpt_like", "shared_prompt_like", "simulate", "synthetic_workload",
+    "write_fake_kv",
 ]
 
 POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
@@ -188,6 +190,20 @@ def shared_prompt_like(num_requests: int, seed: int = 0, *, system_len: int = 34
     return out
 
 
+#: Made-up token ids of simulated outputs start here, above any vocabulary a workload draws prompts from.
+OUTPUT_TOKEN_BASE = 1 << 40
+
+
+def fake_token_ids(request: Request, stop: int, start: int = 0) -> list[int]:
+    """Token ids of positions ``start .. stop-1`` of a simulated request: its prompt's
+    (``prompt_tokens``), then made-up ids for its outputs, distinct per request and position and the same
+    on every call, so a preempted request finds its own blocks again when it is readmitted."""
+    if request.prompt_tokens is None:
+        raise ValueError(f"request {request.req_id} has no prompt_tokens (prefix caching needs them)")
+    p, base = request.prompt_len, OUTPUT_TOKEN_BASE * (request.req_id + 1)
+    return list(request.prompt_tokens[start:stop]) + [base + i for i in range(max(start, p) - p, stop - p)]
+
+
 # ------------------------------------------------------------------------------------------------------
 # contiguous reservations
 
@@ -245,7 +261,8 @@ class FirstFit:
 @dataclass
 class StepPlan:
     """What one step runs. The runner writes ``tokens`` K/V for each ``prefill`` entry (the prompt, or
-    prompt + generated tokens when a preempted request is recomputed) and one for each ``decode`` request;
+    prompt + generated tokens when a preempted request is recomputed; with prefix caching only those after
+    the ``cache.seq_lens[req_id]`` tokens found in the cache) and one for each ``decode`` request;
     every scheduled request samples one token. ``preempted`` requests lost their memory this step and wait
     at the front of the queue; ``blocked`` says a waiting request was refused for lack of memory."""
 
@@ -259,6 +276,26 @@ class StepPlan:
         return self.decode + [r for r, _ in self.prefill]
 
 
+def cached_prefix(cache: PagedKVCache, token_ids: Sequence[int]) -> list[int]:
+    """The blocks ``cache.add_sequence(seq_id, token_ids)`` would attach, found without attaching them
+    or counting a lookup in the cache's statistics: the admission check asks before it commits.
+
+    The walk of ``PrefixCache.lookup``: the longest run of full leading blocks (at most
+    ``len(token_ids) - 1`` tokens) whose keys, parent key + token ids, are registered."""
+    pc, bs = cache.prefix_cache, cache.block_size
+    found: list[int] = []
+    if pc is None:
+        return found
+    parent = None
+    for i in range((len(token_ids) - 1) // bs):
+        block = pc.blocks.get(BlockKey(parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+        if block is None:
+            break
+        found.append(block)
+        parent = pc.keys[block]
+    return found
+
+
 class Scheduler:
     """Continuous batching over a ``PagedKVCache``: requests join and leave the batch every step.
 
@@ -270,6 +307,13 @@ class Scheduler:
     ``max_num_seqs`` and memory allow: under ``"paged"`` the prompt's blocks must leave ``watermark`` of
     the budget free, under a reservation policy a contiguous slab must fit (``FirstFit``).
 
+    Prefix caching (a ``cache`` built with ``enable_prefix_caching=True``, ``"paged"`` only, no sliding
+    window): at admission the request's tokens (``token_ids(request, n)``: its first ``n`` token ids, the
+    prompt and, after a preemption, the tokens it generated) are looked up, the blocks found are attached,
+    and only the rest is prefilled. The memory check counts only the blocks the request really needs:
+    new blocks for the uncached tokens, plus the found blocks that sit free in the cache's queue (taking
+    them removes them from the free count), as vLLM's ``KVCacheManager.allocate_slots`` does.
+
     The runner executes the plan (writes K/V through ``cache``), then calls ``finish`` for requests that
     are done. Under ``"paged"`` the budget is the cache itself; under a reservation policy it is
     ``kv_budget_blocks * block_size`` slots of slabs, and the cache only stores the tokens (it needs
@@ -278,7 +322,8 @@ class Scheduler:
 
     def __init__(self, cache: PagedKVCache, *, policy: str = "paged", max_num_seqs: int = 256,
                  watermark: float = 0.01, max_model_len: int = 2048, kv_budget_blocks: int | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 token_ids: Callable[[Request, int], Sequence[int]] | None = None) -> None:
         self.policy = check_policy(policy)
         if not isinstance(cache, PagedKVCache):
             raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -297,13 +342,29 @@ class Scheduler:
             if policy != "paged":
                 raise ValueError("sliding_window needs the paged policy (a slab cannot give back its front)")
         self.sliding_window = sliding_window
+        self.token_ids = self._check_prefix_caching(token_ids)
         self.slabs = None if policy == "paged" else FirstFit(self.kv_budget_blocks * self.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []                 # in admission order: preempt from the end
         self.generated: dict[int, int] = {}              # req_id -> tokens sampled so far
         self.window_start: dict[int, int] = {}           # req_id -> position of the cache's first token
         self.num_preemptions = 0
-        self.recomputed_tokens = 0                       # K/V thrown away by preemptions
+        self.recomputed_tokens = 0                       # K/V lost to preemptions, less those found again
+        self.prefill_tokens = 0                          # K/V computed by prefills (recomputes included)
+        self.cached_tokens = 0                           # tokens found in the prefix cache at admission
+
+    def _check_prefix_caching(self, token_ids: object) -> Callable[[Request, int], Sequence[int]] | None:
+        if self.cache.prefix_cache is None:
+            return None
+        if self.policy != "paged":
+            raise ValueError("prefix caching needs the 'paged' policy (a contiguous slab is never shared)")
+        if self.sliding_window is not None:
+            raise ValueError("sliding_window cannot be combined with prefix caching (a cached block's key "
+                             "names the block before it, which the window would free)")
+        if not callable(token_ids):
+            raise ValueError("a cache with prefix caching needs token_ids(request, n) -> the request's "
+                             f"first n token ids, got {token_ids!r}")
+        return token_ids  # type: ignore[return-value]
 
     def _check_budget(self, kv_budget_blocks: int | None) -> int:
         n = self.cache.num_blocks
@@ -411,20 +472,32 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.prompt_len + self.generated[request.req_id]  # > prompt_len after a preemption
+            ids = self.token_ids(request, tokens) if self.token_ids else None
             if self.slabs is None:
-                blocks = ceil_div(tokens, self.block_size)
-                if self.cache.num_free_blocks - pending - blocks < self.watermark_blocks:
+                found = cached_prefix(self.cache, ids) if ids is not None else []
+                new = ceil_div(tokens, self.block_size) - len(found)
+                revived = sum(self.cache.ref_counts[b] == 0 for b in found)  # leave the free queue
+                if self.cache.num_free_blocks - pending - new - revived < self.watermark_blocks:
                     plan.blocked = True
                     return
-                pending += blocks
+                pending += new
             elif self.slabs.allocate(request.req_id, self.reservation(request)) is None:
                 plan.blocked = True
                 return
             self.waiting.popleft()
             self.running.append(request)
-            self.cache.add_sequence(request.req_id)
+            cached = self._add_sequence(request, ids)
             self.window_start[request.req_id] = 0
-            plan.prefill.append((request, tokens))
+            plan.prefill.append((request, tokens - cached))
+
+    def _add_sequence(self, request: Request, ids: Sequence[int] | None) -> int:
+        """Register an admitted request in the cache (attaching its cached blocks); tokens found."""
+        cached = self.cache.add_sequence(request.req_id, ids)
+        self.cached_tokens += cached
+        self.prefill_tokens += request.prompt_len + self.generated[request.req_id] - cached
+        if self.generated[request.req_id]:  # readmitted: what was found need not be recomputed
+            self.recomputed_tokens -= cached
+        return cached
 
     # accounting -----------------------------------------------------------------------------------------
 
@@ -443,14 +516,18 @@ class Scheduler:
         """Every slot of the budget that is in use or stranded, by ``CATEGORIES`` (after a step's writes).
 
         Free slots count only while a request waits for memory (``blocked``): as ``external`` if a slab
-        of its size would fit in the free slots were they contiguous, else as ``other``.
+        of its size would fit in the free slots were they contiguous, else as ``other``. A block shared by
+        several requests (a prefix-cache hit: always full) counts once, for the first holder.
         """
-        out = dict.fromkeys(CATEGORIES, 0)
+        out, seen = dict.fromkeys(CATEGORIES, 0), set()
         for r in self.running:
             held = self.cache.seq_lens[r.req_id]
             first = self.window_start[r.req_id]                   # position of the first slot held
             future = max(0, min(first + self.held_slots(r), r.max_kv_len) - (first + held))
-            out["token"] += held
+            table = self.cache.tables[r.req_id] if self.slabs is None else []
+            counted = self.block_size * sum(b in seen for b in table)  # full blocks counted already
+            seen.update(table)
+            out["token"] += held - counted
             out["reservation"] += future
             out["internal"] += self.held_slots(r) - held - future
         if blocked:
@@ -506,10 +583,12 @@ class SimResult:
     tokens_generated: int
     mean_latency: float                   # steps from arrival to the last token, averaged
     leaked_blocks: int
-    prefix_cache_hit_rate: float | None   # None: prefix caching off
+    prefix_cache_hit_rate: float | None   # tokens found / tokens looked up at admission; None: caching off
     series: dict[str, np.ndarray]         # per step: step, running, waiting, CATEGORIES, free (slots)
     requests: list[RequestResult]
     occupancy: Occupancy | None = None
+    prefill_tokens: int = 0               # K/V computed by prefills (recomputes included, cache hits not)
+    cached_tokens: int = 0                # tokens found in the prefix cache at admission (not computed)
 
     @property
     def saturated_running(self) -> float:
@@ -528,7 +607,9 @@ class SimResult:
                    saturated_running=round(self.saturated_running, 2), peak_running=self.peak_running,
                    preemptions=self.preemptions, recomputed=self.recomputed_tokens, steps=self.steps,
                    latency=round(self.mean_latency, 1), generated=self.tokens_generated,
-                   leaked=self.leaked_blocks)
+                   prefill=self.prefill_tokens, cached=self.cached_tokens, leaked=self.leaked_blocks)
+        if self.prefix_cache_hit_rate is not None:
+            row["hit_rate"] = round(self.prefix_cache_hit_rate, 4)
         return row
 
 
@@ -584,16 +665,21 @@ def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
 
 def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
     """Write the plan's K/V into the cache: K = the token's position, V = its request id (1 layer, 1 head,
-    head_dim 1), so a test can read back what went where."""
-    cache = sched.cache
+    head_dim 1), so a test can read back what went where. With prefix caching the token ids are
+    ``fake_token_ids``' and a prefill starts after the tokens found (a found block keeps the V of the
+    request that computed it)."""
+    cache, caching = sched.cache, sched.cache.prefix_cache is not None
     for r, n in plan.prefill:
-        k = torch.arange(n, dtype=cache.dtype).view(1, n, 1, 1)
-        cache.append_tokens(r.req_id, k, torch.full_like(k, r.req_id))
+        start = cache.seq_lens[r.req_id]
+        k = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1)
+        ids = fake_token_ids(r, start + n, start) if caching else None
+        cache.append_tokens(r.req_id, k, torch.full_like(k, r.req_id), token_ids=ids)
     if plan.decode:
         ids = [r.req_id for r in plan.decode]
         pos = [sched.window_start[i] + cache.seq_lens[i] for i in ids]
+        tokens = [fake_token_ids(r, p + 1, p)[0] for r, p in zip(plan.decode, pos)] if caching else None
         k = torch.tensor(pos, dtype=cache.dtype).view(1, -1, 1, 1)
-        cache.append_batch(ids, k, torch.tensor(ids, dtype=cache.dtype).view(1, -1, 1, 1))
+        cache.append_batch(ids, k, torch.tensor(ids, dtype=cache.dtype).view(1, -1, 1, 1), token_ids=tokens)
 
 
 def _check_workload(requests: Iterable[Request]) -> list[Request]:
@@ -617,19 +703,25 @@ def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, bl
     The K/V are tiny (1 layer, 1 head, ``head_dim`` 1) but go through a real ``PagedKVCache``: the block
     accounting of ``"paged"`` is the cache's own. ``record_occupancy`` keeps a picture of the pool at every
     step (memory grows with steps x slots: small runs only); ``progress`` shows a tqdm bar.
-    ``enable_prefix_caching`` needs the shared-block cache of notebook 06 and is not available here yet.
+    ``enable_prefix_caching`` (``"paged"`` only, every request with ``prompt_tokens``): full blocks are
+    found again by their tokens (notebook 06) and ``prefix_cache_hit_rate`` is reported; outputs get
+    made-up token ids (``fake_token_ids``).
     """
     policy = check_policy(policy)
-    if enable_prefix_caching:
-        raise NotImplementedError("prefix caching needs the reference-counted cache of notebook 06")
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     requests = _check_workload(requests)
     budget = as_int("kv_budget_blocks", kv_budget_blocks, minimum=1)
     block_size = as_int("block_size", block_size, minimum=1)
     max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
+    if enable_prefix_caching and (missing := [r.req_id for r in requests if r.prompt_tokens is None]):
+        raise ValueError(f"enable_prefix_caching needs requests with prompt_tokens; requests {missing[:8]} "
+                         "have none (shared_prompt_like makes some)")
     extra = 0 if policy == "paged" else max_num_seqs
-    cache = PagedKVCache(budget + extra, 1, block_size, 1, 1)
+    cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching)
     sched = Scheduler(cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark,
-                      max_model_len=max_model_len, kv_budget_blocks=budget, sliding_window=sliding_window)
+                      max_model_len=max_model_len, kv_budget_blocks=budget, sliding_window=sliding_window,
+                      token_ids=fake_token_ids if enable_prefix_caching else None)
     for r in requests:  # every request checked before any work
         sched.check(r)
     recorder = _Recorder(sched, record_occupancy)
@@ -679,8 +771,9 @@ def _result(sched: Scheduler, rec: _Recorder, num_requests: int) -> SimResult:
         preemptions=sched.num_preemptions, recomputed_tokens=sched.recomputed_tokens,
         tokens_generated=sum(r.generated for r in rec.done),
         mean_latency=float(np.mean([r.finished - r.arrival + 1 for r in rec.done])) if rec.done else 0.0,
-        leaked_blocks=leaked, prefix_cache_hit_rate=None, series=series,
-        requests=sorted(rec.done), occupancy=occupancy)
+        leaked_blocks=leaked, series=series, requests=sorted(rec.done), occupancy=occupancy,
+        prefix_cache_hit_rate=sched.cache.prefix_cache_stats()["hit_rate"] if sched.token_ids else None,
+        prefill_tokens=sched.prefill_tokens, cached_tokens=sched.cached_tokens)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -689,7 +782,7 @@ def _result(sched: Scheduler, rec: _Recorder, num_requests: int) -> SimResult:
 COLUMNS = ["policy", "kv_util", *CATEGORIES, "mean_running", "saturated_running", "peak_running",
            "preemptions", "recomputed", "steps", "latency", "leaked"]
 
-WORKLOADS = {"sharegpt": sharegpt_like, "alpaca": alpaca_like}
+WORKLOADS = {"sharegpt": sharegpt_like, "alpaca": alpaca_like, "shared": shared_prompt_like}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -704,16 +797,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="add a row: paged with prefix caching (needs --workload shared)")
     p.add_argument("--json", metavar="FILE", help="also write the rows and settings as JSON")
     args = p.parse_args(argv)
+    if args.enable_prefix_caching and args.workload != "shared":
+        p.error("--enable-prefix-caching needs --workload shared (requests with token ids)")
     from pagedlib.bench import print_table, write_json
 
     requests = WORKLOADS[args.workload](args.num_requests, args.seed, rate=args.rate)
-    rows = [simulate(requests, policy, args.budget_blocks, args.block_size, max_num_seqs=args.max_num_seqs,
-                     progress=True).row() for policy in args.policies]
+    runs = [(policy, False) for policy in args.policies] + [("paged", True)] * args.enable_prefix_caching
+    rows = [{**simulate(requests, policy, args.budget_blocks, args.block_size, max_num_seqs=args.max_num_seqs,
+                        enable_prefix_caching=caching, progress=True).row(), "prefix_caching": caching}
+            for policy, caching in runs]
     title = (f"{args.workload}-like, {args.num_requests} requests, rate {args.rate}/step, seed {args.seed}; "
              f"budget {args.budget_blocks} blocks x {args.block_size} tokens")
-    print_table(rows, COLUMNS, title=title)
+    extra = ["prefix_caching", "hit_rate", "prefill", "cached"] if args.enable_prefix_caching else []
+    print_table(rows, COLUMNS + extra, title=title)
     if args.json:
         write_json(args.json, {"settings": vars(args), "rows": rows})
     return 0

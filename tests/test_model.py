@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing m
 
 import pytest
 import torch
-from helpers import ORACLE_NEW_TOKENS, assert_unchanged, oracle, snapshot, tiny_llama
+from helpers import ORACLE_NEW_TOKENS, assert_unchanged, hf_greedy, oracle, snapshot, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.cache import OutOfBlocksError
@@ -178,3 +178,34 @@ def test_cache_of_another_shape_is_rejected(model):
     with pytest.raises(ValueError, match="does not match"):
         model.prefill(cache, [0], [[1]])
     assert cache.seq_lens == {0: 0}
+
+
+def test_prefill_after_a_prefix_cache_hit_equals_hf_forward(ref, model):
+    """With prefix caching, a second prompt sharing 20 tokens with the first finds 2 blocks of 8 (16
+    tokens, computed by the first) and prefills only its other tokens; its logits at every step of a
+    greedy continuation are HF's (fp32 tolerance). NaN in every unused slot proves nothing else is read."""
+    hf, prompts, _ = ref
+    first = prompts[-1][:20] + prompts[-2][:5]                                         # 25 tokens
+    second = prompts[-1][:20] + prompts[-3][:9]                                        # 29 tokens
+    want_tokens, want_logits = hf_greedy(hf, second, 6)
+    cache = model.new_cache(num_blocks=16, block_size=8, enable_prefix_caching=True)
+    assert cache.add_sequence("a", first) == 0
+    model.prefill(cache, ["a"], [first])
+    assert cache.add_sequence("b", second) == 16 and cache.tables["b"][:2] == cache.tables["a"][:2]
+    cache.fill_unused(float("nan"))
+    steps = [model.prefill(cache, ["b"], [second[16:]])]                               # [1, vocab]
+    for _ in range(5):
+        cache.fill_unused(float("nan"))
+        steps.append(model.decode(cache, ["b"], [int(steps[-1].argmax())]))
+    torch.testing.assert_close(torch.cat(steps), want_logits, **LOGITS_TOL)
+    assert [int(s.argmax()) for s in steps] == want_tokens
+    cache.check_invariants()
+    assert cache.token_ids["b"] == second + want_tokens[:5]
+
+
+def test_a_cache_with_prefix_caching_needs_the_token_ids_the_model_passes(model):
+    cache = model.new_cache(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    cache.add_sequence("s", [1, 2, 3, 4, 5])
+    model.prefill(cache, ["s"], [[1, 2, 3, 4, 5]])
+    model.decode(cache, ["s"], [6])
+    assert cache.token_ids["s"] == [1, 2, 3, 4, 5, 6] and cache.is_cached(cache.tables["s"][0])

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from pagedlib.cache import PagedKVCache
 from pagedlib.serving import (
@@ -17,6 +18,8 @@ from pagedlib.serving import (
     Request,
     Scheduler,
     alpaca_like,
+    cached_prefix,
+    fake_token_ids,
     main,
     shared_prompt_like,
     sharegpt_like,
@@ -232,8 +235,17 @@ def test_bad_policy_and_arguments():
         simulate([(0, 0, 3, 3)], "paged", 10)
     with pytest.raises(ValueError, match="sliding_window"):
         simulate(reqs, "reserve-max", 10, sliding_window=8)
-    with pytest.raises(NotImplementedError, match="prefix caching"):
+    with pytest.raises(ValueError, match="prompt_tokens"):
         simulate(reqs, "paged", 10, enable_prefix_caching=True)
+    shared = shared_prompt_like(3, system_len=8, vocab_size=50)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
+        simulate(shared, "paged", 10, enable_prefix_caching=1)
+    with pytest.raises(ValueError, match="'paged' policy"):
+        simulate(shared, "reserve-oracle", 40, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="sliding_window cannot"):
+        simulate(shared, "paged", 40, sliding_window=8, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="token_ids"):
+        Scheduler(PagedKVCache(8, 1, 4, 1, 1, enable_prefix_caching=True))
 
 
 def test_a_request_that_can_never_run_is_refused_before_any_work():
@@ -320,3 +332,118 @@ def test_occupancy_matches_the_series():
         np.testing.assert_array_equal((occ.owner < 0).sum(1), r.series["free"])
         assert not (occ.filled & (occ.owner < 0)).any()
 
+
+
+# ------------------------------------------------------------------------------------------------------
+# prefix caching
+
+
+def tokens(*runs):
+    """A prompt from runs of (first id, count): tokens(1, 8) = [1, 2, ..., 8]."""
+    return tuple(t for first, n in zip(runs[::2], runs[1::2]) for t in range(first, first + n))
+
+
+def test_prefix_hits_hand_computed():
+    # blocks of 4. A (10 prompt tokens) computes and registers blocks [1-4] and [5-8]; B arrives at step 2,
+    # with A's 8 first tokens + 3 of its own: it finds both blocks (8 tokens) and prefills 3. C arrives
+    # after A and B are done with A's 4 first tokens + 5 others: [1-4] waits free in the cache: 4 found.
+    a, b, c = tokens(1, 10), tokens(1, 8, 100, 3), tokens(1, 4, 200, 5)
+    reqs = [Request(0, 0, 10, 4, a), Request(1, 2, 11, 2, b), Request(2, 9, 9, 1, c)]
+    cache = PagedKVCache(12, 1, 4, 1, 1, enable_prefix_caching=True)
+    sched = Scheduler(cache, max_model_len=32, watermark=0.0, token_ids=fake_token_ids)
+    prefills = {}
+    for step in range(12):
+        sched_add = [r for r in reqs if r.arrival == step]
+        for r in sched_add:
+            sched.add(r)
+        plan = sched.step()
+        write_fake_kv(sched, plan)
+        cache.check_invariants()
+        prefills.update({r.req_id: (cache.seq_lens[r.req_id] - n, n) for r, n in plan.prefill})
+        if any(r.req_id == 1 for r, _ in plan.prefill):          # B shares A's first two blocks
+            assert cache.tables[1][:2] == cache.tables[0][:2] and cache.ref_count(cache.tables[0][0]) == 2
+            k, v = cache.gather(1)                                 # K = position, V = who computed it
+            assert k.flatten().tolist() == list(range(11))
+            assert v.flatten().tolist() == [0] * 8 + [1] * 3
+        for r in plan.scheduled:
+            if sched.generated[r.req_id] == r.output_len:
+                sched.finish(r)
+    assert prefills == {0: (0, 10), 1: (8, 3), 2: (4, 5)}        # (tokens found, tokens prefilled)
+    stats = cache.prefix_cache_stats()
+    assert (stats["queried_tokens"], stats["hit_tokens"]) == (10 + 11 + 9, 8 + 4)
+    assert (sched.cached_tokens, sched.prefill_tokens) == (12, 18)
+    assert cache.num_free_blocks == 12 and not cache.seq_lens
+
+
+def test_simulate_reports_the_hit_rate_and_the_tokens_saved():
+    reqs = [Request(0, 0, 10, 4, tokens(1, 10)), Request(1, 2, 11, 2, tokens(1, 8, 100, 3)),
+            Request(2, 9, 9, 1, tokens(1, 4, 200, 5))]
+    on = run(reqs, "paged", 12, enable_prefix_caching=True, max_num_seqs=4)
+    off = run(reqs, "paged", 12)
+    assert on.prefix_cache_hit_rate == pytest.approx(12 / 30) and off.prefix_cache_hit_rate is None
+    assert (on.cached_tokens, on.prefill_tokens, off.prefill_tokens) == (12, 18, 30)
+    assert on.row()["hit_rate"] == 0.4 and "hit_rate" not in off.row()
+    # step 2: A holds 3 blocks (12 tokens), B 1 of its own + A's 2 (counted once): 15 tokens in 4 blocks
+    assert on.series["token"][2] == 12 + 3 and on.series["free"][2] == (12 - 4) * 4
+    assert off.series["free"][2] == (12 - 6) * 4
+    assert on.tokens_generated == off.tokens_generated == 7 and on.leaked_blocks == 0
+
+
+def test_a_preempted_request_finds_its_own_blocks_again():
+    # test_preemption_hand_computed with token ids: B is preempted holding one full block (3 prompt
+    # tokens + 1 output), which stays in the cache; readmitted with 5 tokens it finds those 4 and
+    # recomputes 1. Its admission still needs 2 free blocks (1 new + its cached one), as before.
+    reqs = [Request(0, 0, 4, 5, tokens(1, 4)), Request(1, 0, 3, 6, tokens(50, 3))]
+    on = run(reqs, "paged", 3, enable_prefix_caching=True)
+    off = run(reqs, "paged", 3)
+    assert on.preemptions == off.preemptions == 1
+    assert (off.recomputed_tokens, on.recomputed_tokens) == (4, 0)
+    assert (off.prefill_tokens, on.prefill_tokens, on.cached_tokens) == (12, 8, 4)
+    assert on.prefix_cache_hit_rate == pytest.approx(4 / 12)
+    assert on.series["running"].tolist() == off.series["running"].tolist()
+    assert [q.generated for q in on.requests] == [5, 6]
+
+
+def test_admission_counts_only_the_blocks_a_request_really_needs():
+    # blocks of 4, a pool of 5. A (9 tokens: 3 blocks) runs; B (A's 8 first tokens + 1) needs 3 blocks
+    # alone, but 2 are A's: with caching it needs 1 new block and is admitted beside A at once.
+    reqs = [Request(0, 0, 9, 4, tokens(1, 9)), Request(1, 1, 9, 2, tokens(1, 8, 70, 1))]
+    on = run(reqs, "paged", 5, enable_prefix_caching=True)
+    off = run(reqs, "paged", 5)
+    assert on.series["running"].tolist()[:2] == [1, 2] and off.series["running"].tolist()[1] == 1
+    assert on.cached_tokens == 8
+
+
+def test_cached_prefix_finds_what_add_sequence_attaches_without_counting():
+    cache = PagedKVCache(8, 1, 2, 1, 1, enable_prefix_caching=True)
+    cache.add_sequence("a", [1, 2, 3, 4, 5])
+    cache.append_tokens("a", *[torch.zeros(1, 5, 1, 1)] * 2, token_ids=[1, 2, 3, 4, 5])
+    before = cache.prefix_cache_stats()
+    for prompt, want in (([1, 2, 3, 4, 9], 2), ([1, 2, 3, 4], 1), ([1, 2], 0), ([7, 2, 3], 0), ([1], 0)):
+        found = cached_prefix(cache, prompt)
+        assert cache.prefix_cache_stats() == before and found == cache.tables["a"][:want]
+        assert cache.add_sequence("b", prompt) == 2 * want
+        cache.free_sequence("b")
+        before = cache.prefix_cache_stats()
+    assert cached_prefix(PagedKVCache(2, 1, 2, 1, 1), [1, 2, 3]) == []
+
+
+def test_shared_prompt_workload_with_prefix_caching_saves_prefill_and_memory():
+    reqs = shared_prompt_like(60, seed=2, system_len=64, num_system_prompts=2, rate=math.inf)
+    off, on = (simulate(reqs, "paged", 96, 16, enable_prefix_caching=c) for c in (False, True))
+    assert on.prefix_cache_hit_rate > 0.5 and on.leaked_blocks == off.leaked_blocks == 0
+    assert on.prefill_tokens < off.prefill_tokens / 2
+    assert on.saturated_running > 1.5 * off.saturated_running and on.steps < off.steps
+    assert on.tokens_generated == off.tokens_generated == sum(r.output_len for r in reqs)
+
+
+def test_command_line_with_prefix_caching(tmp_path, capsys):
+    out = tmp_path / "shared.json"
+    assert main(["--workload", "shared", "--num-requests", "40", "--budget-blocks", "200",
+                 "--policies", "paged", "--enable-prefix-caching", "--json", str(out)]) == 0
+    assert "hit_rate" in capsys.readouterr().out
+    off, on = json.loads(out.read_text())["rows"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True) and "hit_rate" not in off
+    assert on["hit_rate"] > 0.5 and on["prefill"] < off["prefill"] and on["leaked"] == 0
+    with pytest.raises(SystemExit):
+        main(["--workload", "sharegpt", "--enable-prefix-caching"])
