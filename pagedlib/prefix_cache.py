@@ -63,9 +63,10 @@ class PrefixCache:
     hit_tokens: int = 0
     evicted_blocks: int = 0
 
-    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+    def peek(self, token_ids: Sequence[int]) -> list[int]:
         """The registered blocks holding the longest run of full leading blocks of ``token_ids``, at most
-        ``len(token_ids) - 1`` tokens (the caller computes the last prompt token itself, for its logits)."""
+        ``len(token_ids) - 1`` tokens (the caller computes the last prompt token itself, for its logits).
+        Counts nothing: a scheduler asks this before it decides to admit."""
         bs, found, parent = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
             block = self.blocks.get(BlockKey(parent, tuple(token_ids[i * bs:(i + 1) * bs])))
@@ -73,8 +74,13 @@ class PrefixCache:
                 break
             found.append(block)
             parent = self.keys[block]
+        return found
+
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """``peek``, counted in the statistics (``queried_tokens``, ``hit_tokens``)."""
+        found = self.peek(token_ids)
         self.queried_tokens += len(token_ids)
-        self.hit_tokens += len(found) * bs
+        self.hit_tokens += len(found) * self.block_size
         return found
 
     def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> None:

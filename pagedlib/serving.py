@@ -38,7 +38,6 @@ import torch
 
 from pagedlib.cache import PagedKVCache
 from pagedlib.checks import as_int, ceil_div
-from pagedlib.prefix_cache import BlockKey
 from pagedlib.window import release_outside_window
 
 __all__ = [
@@ -280,20 +279,9 @@ def cached_prefix(cache: PagedKVCache, token_ids: Sequence[int]) -> list[int]:
     """The blocks ``cache.add_sequence(seq_id, token_ids)`` would attach, found without attaching them
     or counting a lookup in the cache's statistics: the admission check asks before it commits.
 
-    The walk of ``PrefixCache.lookup``: the longest run of full leading blocks (at most
-    ``len(token_ids) - 1`` tokens) whose keys, parent key + token ids, are registered."""
-    pc, bs = cache.prefix_cache, cache.block_size
-    found: list[int] = []
-    if pc is None:
-        return found
-    parent = None
-    for i in range((len(token_ids) - 1) // bs):
-        block = pc.blocks.get(BlockKey(parent, tuple(token_ids[i * bs:(i + 1) * bs])))
-        if block is None:
-            break
-        found.append(block)
-        parent = pc.keys[block]
-    return found
+    ``PrefixCache.peek``: the longest run of full leading blocks (at most ``len(token_ids) - 1`` tokens)
+    whose keys, parent key + token ids, are registered."""
+    return [] if cache.prefix_cache is None else cache.prefix_cache.peek(token_ids)
 
 
 class Scheduler:

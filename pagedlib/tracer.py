@@ -18,7 +18,6 @@ its own positions.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -302,7 +301,7 @@ class BlockTableTracer:
         are free once those are attached (a cached block waiting in the free queue stops being free)."""
         cache = self.cache
         pc = cache.prefix_cache
-        found = copy.deepcopy(pc).lookup(range(n)) if pc is not None and n else []
+        found = pc.peek(range(n)) if pc is not None and n else []
         need = ceil_div(n, cache.block_size) - len(found)
         free = cache.num_free_blocks - sum(b in pc.free_queue for b in found) if pc is not None else \
             cache.num_free_blocks

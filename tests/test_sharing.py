@@ -178,6 +178,16 @@ def test_a_repeated_prompt_finds_its_full_blocks():
     c.check_invariants()
 
 
+def test_peek_finds_what_lookup_finds_and_counts_nothing():
+    c = make(enable_prefix_caching=True)
+    prefill(c, "a", SYSTEM + [1, 2, 3])
+    before = c.prefix_cache_stats()
+    assert c.prefix_cache.peek(SYSTEM + [7, 8]) == c.tables["a"][:2]
+    assert c.prefix_cache_stats() == before
+    assert c.prefix_cache.lookup(SYSTEM + [7, 8]) == c.tables["a"][:2]
+    assert c.prefix_cache_stats()["hit_tokens"] == before["hit_tokens"] + 8
+
+
 def test_a_hit_never_covers_the_last_prompt_token():
     c = make(enable_prefix_caching=True)
     prefill(c, "a", list(range(12)))  # 3 full blocks cached
