@@ -22,6 +22,6 @@ def test_generate_benchmark_runs_and_every_method_agrees(tmp_path, capsys):
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"engine", "hf_generate", "hf_generate_batch"}
     assert all(r["same_tokens"] == "yes" and r["tokens_per_s"] > 0 for r in rows.values())
-    assert rows["engine"]["x_engine"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
+    assert rows["engine"]["speedup"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
     # the padded contiguous cache holds 5 rows of the longest prompt; the pool fits each request exactly
     assert rows["engine"]["kv_peak_MB"] <= rows["engine"]["kv_alloc_MB"] < rows["hf_generate"]["kv_alloc_MB"]

@@ -8,11 +8,12 @@ model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``Lla
 - ``hf_generate``     transformers' ``generate`` on one left-padded batch (its contiguous ``DynamicCache``);
 - ``hf_generate_batch`` transformers' paged continuous batching (``generate_batch``).
 
-``tokens_per_s`` is new tokens over the best of ``--repeats`` wall-clock runs; ``x_engine`` is a method's
-time over the engine's, measured in the same run. KV memory: ``kv_alloc_MB`` is what the method set aside
-for K/V (the engine's and generate_batch's block pools; the padded contiguous cache for ``hf_generate``),
-``kv_peak_MB`` what held tokens at the fullest moment (the engine's blocks in use; for ``hf_generate`` the
-whole padded cache). ``same_tokens`` compares each method's tokens with ``hf_generate`` one prompt at a time.
+``tokens_per_s`` is new tokens over the best of ``--repeats`` wall-clock runs; ``speedup`` is the engine's
+time over the method's, measured in the same run ("x faster" than the engine: above 1 is faster). KV memory:
+``kv_alloc_MB`` is what the method set aside for K/V (the engine's and generate_batch's block pools; the
+padded contiguous cache for ``hf_generate``), ``kv_peak_MB`` what held tokens at the fullest moment (the
+engine's blocks in use; for ``hf_generate`` the whole padded cache). ``same_tokens`` compares each
+method's tokens with ``hf_generate`` one prompt at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from pagedlib.bench.timing import DTYPES, environment, print_table, write_json
 from pagedlib.checks import ceil_div
 
-COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "x_engine", "kv_alloc_MB",
+COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup", "kv_alloc_MB",
            "kv_peak_MB", "same_tokens"]
 
 
@@ -189,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
                      "tokens_per_s": new_tokens / seconds, **memory,
                      "same_tokens": "yes" if tokens == want else "NO"})
     for row in rows:
-        row["x_engine"] = row["seconds"] / rows[0]["seconds"]
+        row["speedup"] = rows[0]["seconds"] / row["seconds"]
     title = (f"greedy generation on {device}, {args.dtype}: {len(prompts)} prompts of {args.min_prompt}-"
              f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
              f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}")
