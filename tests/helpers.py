@@ -101,3 +101,4 @@ def decode_args(cache: PagedKVCache, q_heads: int, *, layer: int = 1, seed: int 
     k_cache, v_cache = cache.layer(layer)
     return (q.to(cache.k.device, cache.k.dtype), k_cache, v_cache, cache.block_table(seqs, width=width),
             cache.seq_lens_tensor(seqs))
+

@@ -12,30 +12,13 @@ import logging
 
 import pytest
 import torch
-from helpers import ORACLE_NEW_TOKENS, hf_greedy, oracle, tiny_llama
+from helpers import ORACLE_NEW_TOKENS, hf_greedy, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.engine import Engine
 from pagedlib.model import PagedLlama
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: on a shared 2-core machine a second intra-op thread only slows them down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return oracle()
-
-
-@pytest.fixture(scope="module")
-def model(ref):
-    return PagedLlama.from_hf(ref[0])
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
 
 
 def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -13,34 +13,18 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing m
 
 import pytest
 import torch
-from helpers import ORACLE_NEW_TOKENS, assert_unchanged, hf_greedy, oracle, snapshot, tiny_llama
+from helpers import ORACLE_NEW_TOKENS, assert_unchanged, hf_greedy, snapshot, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.cache import OutOfBlocksError
 from pagedlib.model import LlamaShape, PagedLlama
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
+
 # logits reach |9|; fp32 paths that sum in a different order differ by a few 1e-5 there
 LOGITS_TOL = dict(rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are microseconds long: on a shared 2-core machine a second intra-op thread
-    makes them several times slower, so this file runs single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return oracle()
-
-
-@pytest.fixture(scope="module")
-def model(ref):
-    return PagedLlama.from_hf(ref[0])
 
 
 def greedy(model: PagedLlama, prompts: list[list[int]], new_tokens: int, block_size: int,
