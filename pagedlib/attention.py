@@ -83,7 +83,7 @@ def kv_bytes(seq_lens: torch.Tensor | list[int], kv_heads: int, head_dim: int, d
     """Bytes of K and V that one decode step must read: ``2 * sum(seq_lens) * kv_heads * head_dim *
     dtype_bytes`` (the numerator of the GB/s figures)."""
     lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
-    total = sum(as_int("seq_lens[i]", n, minimum=0) for n in lens)
+    total = sum(as_int(f"seq_lens[{i}]", n, minimum=0) for i, n in enumerate(lens))
     return 2 * total * as_int("kv_heads", kv_heads, minimum=1) * as_int("head_dim", head_dim, minimum=1) \
         * dtype.itemsize
 

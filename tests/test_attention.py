@@ -378,8 +378,8 @@ def test_kv_bytes_is_the_bytes_of_k_and_v_read() -> None:
     assert kv_bytes([3, 5], kv_heads=2, head_dim=4, dtype=torch.float16) == 2 * 8 * 2 * 4 * 2
     assert kv_bytes(torch.tensor([1024] * 16), 8, 128, torch.float32) == 2 * 16 * 1024 * 8 * 128 * 4
     assert kv_bytes([np.int32(2**30)] * 4, np.int32(8), 128, torch.float16) == 2 * 2**32 * 8 * 128 * 2
-    with pytest.raises(ValueError, match="must be >= 0"):
-        kv_bytes([-3], 2, 4, torch.float16)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 0"):
+        kv_bytes([2, -3], 2, 4, torch.float16)
 
 
 def test_benchmark_command_writes_json(tmp_path) -> None:
