@@ -5,10 +5,11 @@ The layout is the article's (notebook 02)::
     k, v : [num_blocks, num_layers, block_size, kv_heads, head_dim]
 
 Token position ``p`` of sequence ``s`` lives in physical block ``tables[s][p // block_size]`` at offset
-``p % block_size``, for every layer at once. Free blocks sit on a stack (a Python list): ``pop()`` takes the
-top (the *last* element), ``append()`` gives a block back; both O(1), which is why a stack. Blocks can be
+``p % block_size``, for every layer at once. Free blocks sit on a stack (a Python list): the top, handed
+out next, is the *last* element; taking and giving back are O(1), which is why a stack. Blocks can be
 shared (notebook 06): each has a reference count, a sequence that writes into a shared block first copies
-it (copy-on-write), and with prefix caching full blocks are found again by content (``prefix_cache.py``).
+it (copy-on-write), and with prefix caching full blocks are found again by content (``prefix_cache.py``):
+once the stack is empty, cached blocks nobody holds are evicted, least recently used first.
 The file reads as the story: free stack and reference counts -> add / fork / append / free -> slot /
 block_table / gather -> checks and display.
 """
@@ -100,15 +101,12 @@ class PagedKVCache:
             ids then come with every append.
 
     State (read freely, change only through the methods):
-        k, v: ``[num_blocks, num_layers, block_size, kv_heads, head_dim]`` pools.
-        free: the free-block stack, a ``list[int]``; the top (next block handed out) is ``free[-1]``.
+        k, v: the two pools, ``[num_blocks, num_layers, block_size, kv_heads, head_dim]``.
+        free: the free-block stack, a ``list[int]``; its top is ``free[-1]``.
         tables: ``dict[seq_id, list[int]]`` physical block ids of each sequence, in logical order.
         seq_lens: ``dict[seq_id, int]`` tokens stored per sequence.
         ref_counts: ``list[int]``, tables holding each block (0: free). ``cow_copies``: blocks copied so far.
         prefix_cache: the ``PrefixCache`` (or ``None``); ``token_ids[seq_id]`` the tokens of each sequence.
-
-    Free blocks are handed out plain ones first (top of the stack), then, with prefix caching, cached
-    blocks nobody holds, least recently used first (``prefix_cache.free_queue``): they are evicted.
 
     Contract:
         Atomic: every method checks all its arguments (ids, shapes, dtypes, devices, layouts, free blocks)
@@ -129,12 +127,18 @@ class PagedKVCache:
         self.block_size = as_int("block_size", block_size, minimum=1)
         self.kv_heads = as_int("kv_heads", kv_heads, minimum=1)
         self.head_dim = as_int("head_dim", head_dim, minimum=1)
-        self.dtype = _check_dtype_and_fill(dtype, fill)
+        _check_dtype_and_fill(dtype, fill)
+        self.dtype: torch.dtype = dtype
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        order = [as_int(f"free_order[{i}]", b, minimum=0, maximum=self.num_blocks - 1)
+                 for i, b in enumerate([] if free_order is None else free_order)]
+        if len(set(order)) != len(order):
+            raise ValueError(f"free_order must not repeat a block id, got {order}")
         shape = (self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim)
         _check_room(shape, dtype, device)
-        self.free: list[int] = self._initial_free_stack(free_order)
+        # the free stack: its top is its last element, so reverse to pop order[0] first
+        self.free = (order + sorted(set(range(self.num_blocks)) - set(order)))[::-1]
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
         self.v = torch.full(shape, fill, dtype=dtype, device=device)
         self.device = self.k.device  # normalised ("cuda" -> "cuda:0")
@@ -146,14 +150,6 @@ class PagedKVCache:
         self.token_ids: dict[Hashable, list[int]] = {}
         self._layer_rows = torch.arange(self.num_layers, device=self.device)[:, None] * self.block_size
         self._lock = threading.RLock()
-
-    def _initial_free_stack(self, free_order: Sequence[int] | None) -> list[int]:
-        order = [as_int(f"free_order[{i}]", b, minimum=0, maximum=self.num_blocks - 1)
-                 for i, b in enumerate([] if free_order is None else free_order)]
-        if len(set(order)) != len(order):
-            raise ValueError(f"free_order must not repeat a block id, got {order}")
-        order += sorted(set(range(self.num_blocks)) - set(order))
-        return order[::-1]  # the stack's top is its last element: reverse so order[0] is popped first
 
     # ---------------------------------------------------------------------------------------------
     # ownership: the only places that change reference counts and move blocks in and out of the free pool
@@ -387,11 +383,10 @@ class PagedKVCache:
 
     @_locked
     def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Drop the first ``n`` blocks of a sequence, all full, whose tokens it no longer needs (a sliding
-        window, ``pagedlib.window``): each loses a holder, as in ``free_sequence``. The sequence then holds
-        ``n * block_size`` tokens fewer and its table starts at its former block ``n``; the caller keeps
-        the offset of the first token held. Not combined with sharing: every block of the sequence must be
-        its own (a shared block sits at one logical index in all its holders), and prefix caching must be
+        """Free the first ``n`` blocks of a sequence, all full, whose tokens it no longer needs (a sliding
+        window, ``pagedlib.window``). The sequence then holds ``n * block_size`` tokens fewer and its table
+        starts at its former block ``n``; the caller keeps the offset of the first token held. The blocks
+        must be its own (a shared block sits at one logical index in all its holders) and prefix caching
         off (a block's key names its parent block, which would be gone). Returns the freed block ids."""
         self._check_seq(seq_id)
         if self.prefix_cache is not None:
@@ -700,7 +695,7 @@ def _check_id(b: object, num_blocks: int, where: str) -> None:
         raise InvariantError(f"3: {where} has invalid block id {b!r}")
 
 
-def _check_dtype_and_fill(dtype: object, fill: object) -> torch.dtype:
+def _check_dtype_and_fill(dtype: object, fill: object) -> None:
     """``dtype`` must be supported and ``fill`` a real number it can hold (NaN and inf are fine)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype!r}")
@@ -709,7 +704,6 @@ def _check_dtype_and_fill(dtype: object, fill: object) -> torch.dtype:
     if math.isfinite(fill) and abs(fill) > torch.finfo(dtype).max:
         raise ValueError(f"fill must be representable in {dtype} (|fill| <= {torch.finfo(dtype).max:g}), "
                          f"got {fill!r}")
-    return dtype  # type: ignore[return-value]
 
 
 def _check_room(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:

@@ -101,13 +101,14 @@ def memory_report(
     block_size = as_int("block_size", block_size, minimum=1, maximum=MAX_TOKENS_LIMIT)
     spec, nbytes = PRESETS[preset], DTYPE_BYTES[dtype]
     lens = synthetic_seq_lens(num_seqs, max_tokens=max_tokens, seed=seed)
+    per_token = kv_bytes_per_token(spec, nbytes)
     contiguous = contiguous_kv_bytes(spec, max_tokens, num_seqs, nbytes)
     return MemoryReport(
         spec=spec, dtype=dtype, max_tokens=max_tokens, block_size=block_size, num_seqs=num_seqs,
-        bytes_per_token=kv_bytes_per_token(spec, nbytes),
+        bytes_per_token=per_token,
         contiguous_bytes=contiguous,
         paged_bytes=paged_kv_bytes(spec, lens, block_size, nbytes),
-        used_bytes=sum(lens) * kv_bytes_per_token(spec, nbytes),
+        used_bytes=sum(lens) * per_token,
         contiguous_util=contiguous_utilization(lens, max_tokens),
         paged_util=paged_utilization(lens, block_size),
         table_entries=block_table_entries(lens, block_size),
@@ -135,17 +136,15 @@ class MemoryCalculator:
     def __init__(self, **defaults: object) -> None:
         import ipywidgets as w
 
-        d = {"preset": "llama-3-8b", "dtype": "fp16", "max_tokens": 4096, "block_size": 16, "num_seqs": 256}
-        d.update(defaults)
-        memory_report(**d)  # a ValueError naming the setting, instead of a control that silently clamps it
+        r = memory_report(**defaults)  # a ValueError naming a bad setting, not a control that clamps it
         style = {"description_width": "110px"}
-        self.preset = w.Dropdown(options=list(PRESETS), value=d["preset"], description="model", style=style)
-        self.dtype = w.Dropdown(options=list(DTYPE_BYTES), value=d["dtype"], description="dtype", style=style)
-        self.max_tokens = w.BoundedIntText(value=d["max_tokens"], min=1, max=MAX_TOKENS_LIMIT,
+        self.preset = w.Dropdown(options=list(PRESETS), value=r.spec.name, description="model", style=style)
+        self.dtype = w.Dropdown(options=list(DTYPE_BYTES), value=r.dtype, description="dtype", style=style)
+        self.max_tokens = w.BoundedIntText(value=r.max_tokens, min=1, max=MAX_TOKENS_LIMIT,
                                            description="max tokens", style=style)
-        self.block_size = w.Dropdown(options=sorted({*BLOCK_SIZES, int(d["block_size"])}),
-                                     value=d["block_size"], description="block size", style=style)
-        self.num_seqs = w.BoundedIntText(value=d["num_seqs"], min=1, max=MAX_SEQS_LIMIT,
+        self.block_size = w.Dropdown(options=sorted({*BLOCK_SIZES, r.block_size}), value=r.block_size,
+                                     description="block size", style=style)
+        self.num_seqs = w.BoundedIntText(value=r.num_seqs, min=1, max=MAX_SEQS_LIMIT,
                                          description="sequences", style=style)
         self.output = w.HTML()
         controls = [self.preset, self.dtype, self.max_tokens, self.block_size, self.num_seqs]

@@ -46,6 +46,9 @@ __all__ = [
 #: Bytes per element of the dtypes a KV cache is stored in.
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
+#: Largest sequence length the sizing functions take (4.6e18 tokens): block arithmetic stays in int64.
+MAX_SEQ_LEN = 2**62
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -144,9 +147,9 @@ def contiguous_wasted_slots(seq_len: int, max_tokens: int) -> int:
 
 
 def block_table_entries(seq_lens: Iterable[int], block_size: int) -> int:
-    """Total block-table entries (one int32 each) for the given sequences."""
-    block_size = as_int("block_size", block_size, minimum=1)
-    return sum(_block_slots(_seq_lens(seq_lens), block_size).tolist()) // block_size
+    """Total block-table entries (one int32 each) for the given sequences: ``sum(ceil(n / block_size))``."""
+    block_size = as_int("block_size", block_size, minimum=1, maximum=MAX_SEQ_LEN)
+    return sum(ceil_div(_seq_lens(seq_lens), block_size).tolist())
 
 
 def contiguous_utilization(seq_lens: Iterable[int], max_tokens: int) -> float:
@@ -187,10 +190,6 @@ def max_sequences(
     return int(over.argmax()) if over.any() else len(total)
 
 
-#: Largest sequence length the sizing functions take (4.6e18 tokens): block arithmetic stays in int64.
-MAX_SEQ_LEN = 2**62
-
-
 def _seq_lens(seq_lens: Iterable[int] | np.ndarray) -> np.ndarray:
     """``seq_lens`` as an int64 array, each length checked to be an int in ``[0, MAX_SEQ_LEN]``."""
     if isinstance(seq_lens, np.ndarray) and seq_lens.dtype.kind in "iu" and seq_lens.ndim == 1:
@@ -205,7 +204,7 @@ def _seq_lens(seq_lens: Iterable[int] | np.ndarray) -> np.ndarray:
 def _block_slots(lens: np.ndarray, block_size: int) -> np.ndarray:
     """Slots each sequence holds in whole blocks: ``ceil(n / block_size) * block_size`` (int64)."""
     block_size = as_int("block_size", block_size, minimum=1, maximum=MAX_SEQ_LEN)
-    return -(-lens // block_size) * block_size
+    return ceil_div(lens, block_size) * block_size
 
 
 def _reserved_lens(seq_lens: Iterable[int], max_tokens: int) -> np.ndarray:
