@@ -465,8 +465,7 @@ class PagedKVCache:
 
     @_locked
     def prefix_cache_stats(self) -> dict[str, float]:
-        """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable (all 0 when
-        prefix caching is off)."""
+        """``PrefixCache.stats()``; all 0 when prefix caching is off."""
         return (self.prefix_cache or PrefixCache(self.block_size)).stats()
 
     @property

@@ -69,8 +69,9 @@ class MemoryReport:
 
     def text(self) -> str:
         head = f"{self.spec.name}, {self.dtype}, {self.num_seqs} requests (synthetic, seed {self.seed})"
-        width = max(len(k) for k, _ in self.rows())
-        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in self.rows()])
+        rows = self.rows()
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
     def html(self) -> str:
         cells = "".join(
