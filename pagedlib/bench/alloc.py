@@ -150,10 +150,9 @@ def run(*, layers: int = 4, kv_heads: int = 8, head_dim: int = 64, block_size: i
         dtype: torch.dtype = torch.float32, device: str | None = None,
         batches: tuple[int, ...] = (1, 4, 16, 64, 256), prompt: int = 512,
         repeats: int = 20, threads: int | None = None) -> dict[str, Any]:
-    """Run the whole benchmark; returns ``{"config", "environment", "rows", "summary"}``.
-
-    ``threads`` sets ``torch.set_num_threads`` for the run (restored afterwards): on a CPU shared with other
-    work, a multi-threaded ``copy_`` can wait milliseconds for a descheduled worker thread."""
+    """Run the whole benchmark with ``threads`` torch threads (on a busy CPU, a multi-threaded ``copy_``
+    can wait milliseconds for a descheduled worker); returns ``{"config", "environment", "rows", "summary"}``.
+    """
     device = default_device(device)
     geometry = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
                     device=device, repeats=repeats)

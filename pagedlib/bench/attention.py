@@ -3,10 +3,8 @@
 Decode (one new token per sequence, a batch of sequences) and prefill (causal attention over one prompt)
 are measured separately. Every figure is the median of repeated calls, interleaved between the
 implementations and with the caches flushed before each call; GB/s is the bytes of K and V that must be
-read divided by that time, and ``speedup`` is contiguous SDPA's time divided by the row's (> 1: faster)::
-
-    bytes = 2 * sum(seq_lens) * kv_heads * head_dim * dtype_bytes      (K and V, every cached token once)
-    GB/s  = bytes / median_seconds / 1e9
+read (``pagedlib.attention.kv_bytes``: every cached token once) divided by that time, and ``speedup`` is
+contiguous SDPA's time divided by the row's (> 1: faster).
 
 Decode rows: ``reference`` (the per-token loop), ``paged`` (``paged_attention`` with its default chunks),
 ``paged-whole-batch`` (the whole batch in one chunk, ``chunk_bytes=math.inf``) and ``contiguous``. The
