@@ -378,23 +378,13 @@ def check_paged_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    *,
-    check_values: bool = True,
 ) -> tuple[int, int, int, int, int]:
-    """Validate the arguments of a paged decode step; raise ``ValueError`` naming the first bad one and
-    what was expected. Nothing is read past the shapes unless ``check_values``.
-
-    Args:
-        q: ``[batch, q_heads, head_dim]``, float32/float16/bfloat16.
-        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``, q's dtype and device (strided
-            views such as ``PagedKVCache.layer(l)`` are fine).
-        block_tables: int32 ``[batch, max_blocks]``; entries past a sequence's last block are ignored
-            (conventionally -1).
-        seq_lens: int32 ``[batch]``, each in ``[1, max_blocks * block_size]``.
-        check_values: also check the values of ``seq_lens`` and of the table entries a sequence uses
-            (each in ``[0, num_blocks)``). This reads the tensors (one device synchronisation on a GPU).
-    Returns:
-        ``(batch, q_heads, kv_heads, head_dim, block_size)``.
+    """Validate ``paged_attention``'s tensor arguments; raise ``ValueError`` naming the first bad one and
+    what was expected. Beyond shapes, dtypes (``SUPPORTED_DTYPES``, the pools in q's) and devices, it
+    checks each length (in ``[1, max_blocks * block_size]``) and each table entry a sequence uses (in
+    ``[0, num_blocks)``); that reads the tensors (one device synchronisation on a GPU). Strided views
+    such as ``PagedKVCache.layer(l)`` are fine. Returns ``(batch, q_heads, kv_heads, head_dim,
+    block_size)``.
     """
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
              "seq_lens": seq_lens}
@@ -406,8 +396,7 @@ def check_paged_inputs(
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     geometry = _check_shapes(q, k_cache, v_cache)
     _check_tables(q, block_tables, seq_lens)
-    if check_values:
-        _check_paged_values(block_tables, seq_lens, k_cache.shape[0], geometry[4])
+    _check_paged_values(block_tables, seq_lens, k_cache.shape[0], geometry[4])
     return geometry
 
 

@@ -268,17 +268,9 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """One decode step of attention, reading K/V straight from the paged pool.
-
-    Args:
-        q: ``[batch, q_heads, head_dim]``, one new query token per sequence.
-        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]`` (strided views allowed).
-        block_tables: int32 ``[batch, max_blocks]``, physical block ids, padded with -1.
-        seq_lens: int32 ``[batch]``, tokens per sequence, each >= 1.
-        scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: partitions of the context (split-K); ``None`` lets ``choose_num_splits`` decide.
-    Returns:
-        ``[batch, q_heads, head_dim]``, dtype of ``q``.
+    """One decode step of attention, reading K/V straight from the paged pool: ``paged_attention``'s
+    arguments and result (``q`` ``[batch, q_heads, head_dim]`` in, the same shape and dtype out), plus
+    ``num_splits``, the partitions of the context (split-K; ``None`` lets ``choose_num_splits`` decide).
 
     Every argument is checked (as by ``paged_attention``, plus the kernel's limits) before anything is
     launched; inputs are only read. The kernel has no backward pass, so inputs that require grad are

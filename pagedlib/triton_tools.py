@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -70,15 +69,10 @@ def check_mode() -> None:
     )
 
 
-@contextlib.contextmanager
-def interpreter_lock() -> Iterator[None]:
-    """Hold a process-wide lock while the kernels are interpreted (one launch at a time); compiled
-    launches on a GPU need no lock and take none."""
-    if not interpreting():
-        yield
-        return
-    with _INTERPRETER_LOCK:
-        yield
+def interpreter_lock() -> contextlib.AbstractContextManager[Any]:
+    """A process-wide lock while the kernels are interpreted (one launch at a time); compiled launches on
+    a GPU need no lock and take none."""
+    return _INTERPRETER_LOCK if interpreting() else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,11 +172,9 @@ def compile_for_gpu(arch: int = 90, *, dtype: str = "float16", head_dim: int = 1
 def ptx_instructions(ptx: str) -> list[str]:
     """The instructions of ``ptx``, one per entry, without directives, labels, comments or braces.
 
-    Count these, not lines: a PTX file also carries debug information that is a fact about the checkout,
-    not the kernel. Its DWARF sections spell the source file's absolute path one ``.b8`` byte per line,
-    and its ``.loc`` directives carry the kernel's line numbers, so the line count changes with the
-    folder the repo was cloned into (and Triton's cache, keyed by the kernel's source text alone, can
-    hand back PTX compiled from another checkout).
+    Count these, not lines: PTX also carries debug information about the checkout (DWARF sections spell
+    the source file's absolute path one ``.b8`` byte per line), so its line count changes with the folder
+    the repo was cloned into.
     """
     out = []
     for line in ptx.splitlines():

@@ -27,7 +27,16 @@ from typing import Any
 
 import torch
 
-from pagedlib.bench.timing import DTYPES, environment, print_table, time_fn, write_json
+from pagedlib.bench.timing import (
+    DTYPES,
+    add_run_arguments,
+    default_device,
+    environment,
+    num_threads,
+    print_table,
+    time_fn,
+    write_json,
+)
 from pagedlib.cache import PagedKVCache
 from pagedlib.checks import ceil_div
 
@@ -41,15 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--batches", default="1,4,16,64,256", help="decode batch sizes, comma-separated")
     p.add_argument("--prompt", type=int, default=512, help="prefill length in tokens (0 to skip)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads during the run (default: torch's own choice); 1 gives steadier "
-                        "numbers on a busy machine")
-    p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
-
+    add_run_arguments(p, repeats=20, repeats_help="timed calls per measurement")
 
 def _rows(phase: str, tokens: int, nbytes: int, times: dict[str, float]) -> list[dict[str, Any]]:
     return [{"phase": phase, "method": method, "tokens": tokens, "us_per_call": t * 1e6,
@@ -147,25 +150,19 @@ def run(*, layers: int = 4, kv_heads: int = 8, head_dim: int = 64, block_size: i
         dtype: torch.dtype = torch.float32, device: str | None = None,
         batches: tuple[int, ...] = (1, 4, 16, 64, 256), prompt: int = 512,
         repeats: int = 20, threads: int | None = None) -> dict[str, Any]:
-    """Run the whole benchmark; returns ``{"config", "environment", "rows", "summary"}``.
-
-    ``threads`` sets ``torch.set_num_threads`` for the run (restored afterwards): on a CPU shared with other
-    work, a multi-threaded ``copy_`` can wait milliseconds for a descheduled worker thread."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """Run the whole benchmark with ``threads`` torch threads (on a busy CPU, a multi-threaded ``copy_``
+    can wait milliseconds for a descheduled worker); returns ``{"config", "environment", "rows", "summary"}``.
+    """
+    device = default_device(device)
     geometry = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
                     device=device, repeats=repeats)
-    saved_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         env = environment(device)
         rows: list[dict[str, Any]] = []
         for b in batches:
             rows += bench_decode(b, **geometry)
         if prompt:
             rows += bench_prefill(prompt, **geometry)
-    finally:
-        torch.set_num_threads(saved_threads)
     config = dict(geometry, batches=list(batches), prompt=prompt, threads=env["torch_threads"])
     return {"config": config, "environment": env, "rows": rows, "summary": summarize(rows)}
 

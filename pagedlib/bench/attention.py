@@ -3,10 +3,8 @@
 Decode (one new token per sequence, a batch of sequences) and prefill (causal attention over one prompt)
 are measured separately. Every figure is the median of repeated calls, interleaved between the
 implementations and with the caches flushed before each call; GB/s is the bytes of K and V that must be
-read divided by that time, and ``speedup`` is contiguous SDPA's time divided by the row's (> 1: faster)::
-
-    bytes = 2 * sum(seq_lens) * kv_heads * head_dim * dtype_bytes      (K and V, every cached token once)
-    GB/s  = bytes / median_seconds / 1e9
+read (``pagedlib.attention.kv_bytes``: every cached token once) divided by that time, and ``speedup`` is
+contiguous SDPA's time divided by the row's (> 1: faster).
 
 Decode rows: ``reference`` (the per-token loop), ``paged`` (``paged_attention`` with its default chunks),
 ``paged-whole-batch`` (the whole batch in one chunk, ``chunk_bytes=math.inf``) and ``contiguous``. The
@@ -19,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -33,7 +30,18 @@ from pagedlib.attention import (
     paged_prefill_attention,
     reference_paged_attention,
 )
-from pagedlib.bench.timing import DTYPES, Timing, environment, print_table, speedup, write_json
+from pagedlib.bench.timing import (
+    DTYPES,
+    Timing,
+    add_run_arguments,
+    default_device,
+    environment,
+    num_threads,
+    print_table,
+    speedup,
+    time_once,
+    write_json,
+)
 from pagedlib.cache import PagedKVCache
 from pagedlib.checks import ceil_div
 
@@ -99,13 +107,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: dict[str, int],
         for name in names[r % len(names):] + names[: r % len(names)]:
             if r < repeats[name]:
                 flush_caches(device)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fns[name]()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                samples[name].append(time.perf_counter() - t0)
+                samples[name].append(time_once(fns[name], device))
     return {name: Timing(tuple(s)) for name, s in samples.items()}
 
 
@@ -175,25 +177,20 @@ def run(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], repea
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = AttentionConfig()
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
     for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "block_size"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per implementation")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-sweeps", action="store_true", help="only the decode and prefill tables")
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    add_run_arguments(parser, repeats=20, repeats_help="timed calls per implementation")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = AttentionConfig(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
-                          args.block_size, args.dtype, device)
-    result = run(cfg, args.block_sizes, args.contexts, args.repeats, sweeps=not args.no_sweeps)
+                          args.block_size, args.dtype, default_device(args.device))
+    with num_threads(args.threads):
+        result = run(cfg, args.block_sizes, args.contexts, args.repeats, sweeps=not args.no_sweeps)
     env = result["environment"]
     print(f"{cfg.device} ({env.get('device_name', env['processor'])}), torch {env['torch']}, "
           f"{env['torch_threads']} threads, load average {env['load_average'][0]:.1f}; {asdict(cfg)}; "

@@ -21,13 +21,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pagedlib.bench.timing import DTYPES, environment, print_table, write_json
+from pagedlib.bench.timing import (
+    DTYPES,
+    add_run_arguments,
+    default_device,
+    environment,
+    num_threads,
+    print_table,
+    time_fn,
+    write_json,
+)
 from pagedlib.checks import ceil_div
 
 COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup", "kv_alloc_MB",
@@ -47,11 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (the best counts)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
+    add_run_arguments(p, repeats=3, repeats_help="timed runs per method (the best counts)")
 
 
 def build(args: argparse.Namespace, device: str) -> tuple[Any, list[list[int]]]:
@@ -142,34 +147,13 @@ def reference_tokens(hf: Any, prompts: list[list[int]], new_tokens: int) -> list
     return out
 
 
-def measure(fn: Callable[[], tuple[list[list[int]], dict[str, float]]], repeats: int, device: str
-            ) -> tuple[float, list[list[int]], dict[str, float]]:
-    """Best wall-clock time of ``repeats`` runs (after one warm-up run), the tokens and memory figures."""
-    tokens, memory = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best, tokens, memory
-
-
 def main(args: argparse.Namespace) -> int:
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with num_threads(args.threads):
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(args.device)
     hf, prompts = build(args, device)
     want = reference_tokens(hf, prompts, args.max_new_tokens)
     from pagedlib.model import PagedLlama
@@ -185,7 +169,8 @@ def _run(args: argparse.Namespace) -> int:
     new_tokens = len(prompts) * args.max_new_tokens
     rows = []
     for name, fn in methods.items():
-        seconds, tokens, memory = measure(fn, args.repeats, device)
+        tokens, memory = fn()  # the warm-up run gives the tokens and memory figures; then the best time
+        seconds = time_fn(fn, repeats=args.repeats, warmup=0, device=device).best
         rows.append({"method": name, "requests": len(prompts), "new_tokens": new_tokens, "seconds": seconds,
                      "tokens_per_s": new_tokens / seconds, **memory,
                      "same_tokens": "yes" if tokens == want else "NO"})

@@ -8,15 +8,13 @@
    pool of random blocks far larger than L2. Rows: the Triton kernel without and with split-K, the
    torch gather path (``paged_attention``), and SDPA's flash backend on contiguous K/V of the same data.
 
-Each row's bandwidth counts the K/V bytes a decode step must read, and ``speedup vs SDPA`` is SDPA's time
-divided by the row's (> 1: faster than SDPA)::
-
-    kv_bytes = 2 (K and V) * batch * context * kv_heads * head_dim * bytes_per_element
-    GB/s     = kv_bytes / seconds / 1e9
+Each row's GB/s is the K/V bytes a decode step must read (``pagedlib.attention.kv_bytes``) over its time,
+and ``speedup vs SDPA`` is SDPA's time divided by the row's (> 1: faster than SDPA).
 
 Times are medians over CUDA-event measurements of CUDA-graph replays (so Python launch overhead is not
-counted); each replay cycles through enough independent inputs that nothing is served from L2. Results
-go to ``benchmarks/results/gpu-<device>-<date>.json`` and ``.md``. Without CUDA the command refuses.
+counted; the torch gather path reads lengths on the host and runs eagerly, as its note says); each replay
+cycles through enough independent inputs that nothing is served from L2. Results go to
+``benchmarks/results/gpu-<device>-<date>.json`` and ``.md``. Without CUDA the command refuses.
 """
 
 from __future__ import annotations

@@ -6,11 +6,13 @@ Ratios follow one convention everywhere: ``speedup = baseline_time / time``, "x 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,24 +52,56 @@ def speedup(baseline_seconds: float, seconds: float) -> float:
     return baseline_seconds / seconds
 
 
+def time_once(fn: Callable[[], Any], device: torch.device | str | None = None) -> float:
+    """Seconds of one call of ``fn``; CUDA work is synchronised before and after it."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def time_fn(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_time: float = 0.0,
             device: torch.device | str | None = None) -> Timing:
     """Call ``fn`` ``warmup`` times, then time ``repeats`` calls (more if ``min_time`` seconds are not yet
-    spent). CUDA work is synchronised around every call."""
-    cuda = device is not None and torch.device(device).type == "cuda"
+    spent) with ``time_once``."""
     for _ in range(warmup):
         fn()
     samples: list[float] = []
     start = time.perf_counter()
     while len(samples) < repeats or time.perf_counter() - start < min_time:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t0)
+        samples.append(time_once(fn, device))
     return Timing(tuple(samples))
+
+
+def default_device(device: str | None) -> str:
+    """``device``, or ``"cuda"`` when there is one and ``"cpu"`` otherwise."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def num_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(threads)`` (unless None or 0), restoring the old count afterwards."""
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, repeats: int, repeats_help: str) -> None:
+    """The options every CPU benchmark shares: ``--device``, ``--repeats``, ``--threads``, ``--json``."""
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads during the run (default: torch's own choice); 1 gives steadier "
+                        "numbers on a busy machine")
+    p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
