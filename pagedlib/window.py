@@ -16,9 +16,9 @@ from collections.abc import Hashable
 
 import torch
 
-from pagedlib.attention import check_paged_inputs
+from pagedlib.attention import check_paged_inputs, softmax_scale
 from pagedlib.cache import PagedKVCache
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, ceil_div
 
 __all__ = ["release_outside_window", "sliding_window_attention", "sliding_window_mask"]
 
@@ -73,10 +73,10 @@ def sliding_window_attention(
     batch, q_heads, kv_heads, head_dim, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables,
                                                                         seq_lens)
     window = as_int("window", window, minimum=1)
-    scale = head_dim**-0.5 if scale is None else scale
+    scale = softmax_scale(head_dim, scale)
     acc = torch.promote_types(q.dtype, torch.float32)
     lens = seq_lens.long()[:, None]                                          # [batch, 1]
-    n_blocks = -(-int(seq_lens.max()) // block_size)
+    n_blocks = ceil_div(int(seq_lens.max()), block_size)
     tables = block_tables[:, :n_blocks].long().clamp(min=0)                  # -1 padding -> block 0, masked
     width = n_blocks * block_size
     k = k_cache[tables].reshape(batch, width, kv_heads, head_dim).to(acc)    # [batch, width, kv_heads, D]
