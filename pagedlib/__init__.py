@@ -1,16 +1,13 @@
 """pagedlib: the code behind the paged-attention course.
 
-Modules (each notebook imports from exactly one or two of them):
+Read it in the order the engine runs:
 
-- ``sizing``            KV-cache memory math and model presets (notebook 01)
-- ``cache``             ``PagedKVCache``: block pool, free stack, block tables (02), sharing blocks (06)
-- ``prefix_cache``      block keys and LRU eviction for prefix caching (notebook 06)
-- ``tracer``            ``BlockTableTracer`` widget (notebook 03)
-- ``attention``         reference, vectorized paged and contiguous attention (notebook 04)
-- ``triton_attention``  the fused Triton decode kernel (notebook 05)
-- ``serving``, ``window``  workloads, the step-level scheduler, sliding windows (notebook 07)
-- ``triton_tools``      Triton's interpreter mode and compiling the kernels for a GPU without one (05)
-- ``plots``, ``bench``, ``notebook``  figures, benchmarks, notebook helpers
+- ``core``     the paged KV cache, prefix caching, sliding windows, the step scheduler (notebooks 02, 06, 07)
+- ``kernels``  attention through a block table: torch paths, a float64 oracle, the Triton kernel (04, 05)
+- ``model``    ``PagedLlama``, a Llama decoder whose attention runs on the paged cache (08)
+- ``engine``   ``Engine``: continuous batching and greedy generation on the scheduler (08)
+- ``sim``      the serving simulation of notebook 07; ``teach`` what only the notebooks need; ``bench``
+  the benchmark commands (``python -m pagedlib.bench``)
 """
 
 from __future__ import annotations

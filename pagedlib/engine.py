@@ -2,7 +2,7 @@
 
 Three pieces, the same three as nano-vllm's ``LLMEngine`` and vLLM's engine core:
 
-- the **scheduler** (``pagedlib.serving.Scheduler``, notebook 07, ``policy="paged"``) decides each step
+- the **scheduler** (``pagedlib.core.scheduler.Scheduler``, notebook 07, ``policy="paged"``) decides each step
   which running requests decode, which waiting ones are admitted and prefilled (while the free blocks
   allow), and which are preempted when a decode step needs more blocks than are free (their blocks are
   freed, and they are recomputed from their tokens when readmitted);
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pagedlib.checks import as_int
+from pagedlib.core.scheduler import Request, Scheduler
 from pagedlib.model import ATTENTION_BACKENDS, PagedLlama, token_list
-from pagedlib.serving import Request, Scheduler
 
 __all__ = ["Engine", "EngineStats", "StepOutput"]
 

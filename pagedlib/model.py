@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlib.attention import paged_attention, paged_prefill_attention
-from pagedlib.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.checks import as_int, ceil_div
+from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.kernels.attention import paged_attention, paged_prefill_attention
 
 __all__ = ["ATTENTION_BACKENDS", "LlamaShape", "PagedLlama", "Step", "token_list"]
 
@@ -177,7 +177,7 @@ class Attention(nn.Module):
 
 def _decode_attention(attention: str) -> Callable[..., torch.Tensor]:
     if attention == "triton":
-        from pagedlib.triton_attention import paged_attention_triton  # imports triton: only when asked
+        from pagedlib.kernels.triton_decode import paged_attention_triton  # imports triton: only when asked
 
         return paged_attention_triton
     return paged_attention

@@ -7,8 +7,8 @@ import copy
 
 import torch
 
-from pagedlib.cache import PagedKVCache
 from pagedlib.checks import ceil_div
+from pagedlib.core.cache import PagedKVCache
 
 
 def snapshot(c: PagedKVCache) -> PagedKVCache:

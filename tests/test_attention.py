@@ -2,7 +2,7 @@
 and SDPA on contiguous K/V all agree, whatever sits in the slots that hold no token; bad input gets a
 ``ValueError`` naming the argument; inputs are never written; memory stays bounded by ``chunk_bytes``.
 
-Tolerances: ``pagedlib.attention.TOLERANCES`` (the article's absolute ones plus about one ulp).
+Tolerances: ``pagedlib.kernels.attention.TOLERANCES`` (the article's absolute ones plus about one ulp).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from helpers import decode_args, filled_cache
 
-from pagedlib import attention
-from pagedlib.attention import (
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.kernels import attention
+from pagedlib.kernels.attention import (
     TOLERANCES,
     check_paged_inputs,
     contiguous_attention,
@@ -29,7 +30,6 @@ from pagedlib.attention import (
     plan_chunks,
     reference_paged_attention,
 )
-from pagedlib.cache import PagedKVCache
 
 
 def close(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

@@ -34,7 +34,7 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
                   "--disable-dev-shm-usage", "--disable-background-networking", "--disable-component-update",
                   "--disable-sync"]
 NOTEBOOK_CELLS = [
-    "from pagedlib.tracer import BlockTableTracer",
+    "from pagedlib.teach.tracer import BlockTableTracer",
     "tracer = BlockTableTracer.article_trace()  # seq 0: 7 tokens in blocks [5, 2]; block 9 is next\ntracer",
 ]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import assert_unchanged, snapshot
 
-from pagedlib.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
 from pagedlib.checks import ceil_div
+from pagedlib.core.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
 
 L, BS, H, D = 2, 4, 2, 3
 

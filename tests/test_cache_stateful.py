@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedlib.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.checks import ceil_div
+from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 
 L, H, D = 2, 1, 2  # tiny geometry: the bookkeeping is what is under test
 SEQ_IDS = st.integers(min_value=0, max_value=5)

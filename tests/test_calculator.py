@@ -1,11 +1,11 @@
-"""The notebook-01 memory calculator: numbers from pagedlib.sizing, controls that re-compute."""
+"""The notebook-01 memory calculator: numbers from pagedlib.teach.sizing, controls that re-compute."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedlib.calculator import MemoryCalculator, memory_report
-from pagedlib.sizing import PRESETS, contiguous_kv_bytes, paged_kv_bytes, synthetic_seq_lens
+from pagedlib.teach.calculator import MemoryCalculator, memory_report
+from pagedlib.teach.sizing import PRESETS, contiguous_kv_bytes, paged_kv_bytes, synthetic_seq_lens
 
 
 def test_default_report_matches_sizing_and_is_deterministic():
@@ -68,7 +68,7 @@ def test_the_fit_row_explains_itself():
 
 def test_fit_is_not_capped_for_long_reservations():
     # at 128k-token reservations paging fits far more than 64x the requests: the answer must be exact
-    from pagedlib.sizing import max_sequences
+    from pagedlib.teach.sizing import max_sequences
 
     r = memory_report(max_tokens=131072, num_seqs=4)
     spec = PRESETS["llama-3-8b"]

@@ -16,7 +16,7 @@ import torch
 from helpers import ORACLE_NEW_TOKENS, assert_unchanged, hf_greedy, snapshot, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
-from pagedlib.cache import OutOfBlocksError
+from pagedlib.core.cache import OutOfBlocksError
 from pagedlib.model import LlamaShape, PagedLlama
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)

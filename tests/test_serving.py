@@ -10,22 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from pagedlib.cache import PagedKVCache
-from pagedlib.serving import (
-    CATEGORIES,
-    POLICIES,
-    FirstFit,
-    Request,
-    Scheduler,
-    alpaca_like,
-    cached_prefix,
-    fake_token_ids,
-    main,
-    shared_prompt_like,
-    sharegpt_like,
-    simulate,
-    write_fake_kv,
-)
+from pagedlib.bench.__main__ import main as bench_main
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.scheduler import CATEGORIES, POLICIES, FirstFit, Request, Scheduler, cached_prefix
+from pagedlib.sim.simulate import simulate, write_fake_kv
+from pagedlib.sim.workloads import alpaca_like, fake_token_ids, shared_prompt_like, sharegpt_like
 
 # ------------------------------------------------------------------------------------------------------
 # workloads
@@ -286,6 +275,10 @@ def test_scheduler_misuse():
 
 # ------------------------------------------------------------------------------------------------------
 # the command line and the headline numbers
+
+
+def main(argv):
+    return bench_main(["serving", *argv])
 
 
 def test_command_line_prints_the_table_and_writes_json(tmp_path, capsys):

@@ -9,8 +9,10 @@ import math
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pagedlib.cache import PagedKVCache
-from pagedlib.serving import CATEGORIES, POLICIES, Request, Scheduler, fake_token_ids, simulate, write_fake_kv
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.scheduler import CATEGORIES, POLICIES, Request, Scheduler
+from pagedlib.sim.simulate import simulate, write_fake_kv
+from pagedlib.sim.workloads import fake_token_ids
 
 MAX_MODEL_LEN = 40
 

@@ -8,9 +8,9 @@ import torch
 from helpers import assert_unchanged, snapshot
 
 import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
-from pagedlib.attention import contiguous_attention, paged_attention
-from pagedlib.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
-from pagedlib.prefix_cache import BlockKey
+from pagedlib.core.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
+from pagedlib.core.prefix_cache import BlockKey
+from pagedlib.kernels.attention import contiguous_attention, paged_attention
 
 L, BS, H, D = 2, 4, 2, 8
 
@@ -336,10 +336,10 @@ def test_paged_attention_over_shared_tables_equals_contiguous(dtype, atol):
 
 
 def test_triton_kernel_over_shared_tables_equals_contiguous():
-    triton_attention = pytest.importorskip("pagedlib.triton_attention", reason="triton has Linux wheels only")
+    triton_decode = pytest.importorskip("pagedlib.kernels.triton_decode", reason="triton: Linux wheels only")
     c, ids = shared_cache(torch.float32)
     q = torch.randn(len(ids), 2 * H, D, generator=torch.Generator().manual_seed(1)) / 8
     for layer in range(L):
-        out = triton_attention.paged_attention_triton(q, *c.layer(layer), c.block_table(ids),
+        out = triton_decode.paged_attention_triton(q, *c.layer(layer), c.block_table(ids),
                                                       c.seq_lens_tensor(ids))
         torch.testing.assert_close(out, contiguous_reference(c, ids, layer, q), atol=1e-5, rtol=1e-5)

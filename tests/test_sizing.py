@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlib.sizing import (
+from pagedlib.teach.sizing import (
     PRESETS,
     ModelSpec,
     block_table_entries,

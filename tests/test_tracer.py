@@ -13,10 +13,10 @@ from helpers import assert_unchanged, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pagedlib.cache import OutOfBlocksError, PagedKVCache
-from pagedlib.colors import CACHED_COLOR, FREE_COLOR
-from pagedlib.tracer import SCENARIO, BlockTableTracer
-from pagedlib.tracer_view import MAX_SEQUENCES, MAX_SLOTS, _block_card, render_html
+from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR
+from pagedlib.teach.tracer import SCENARIO, BlockTableTracer
+from pagedlib.teach.tracer_view import MAX_SEQUENCES, MAX_SLOTS, _block_card, render_html
 
 
 class _Node:

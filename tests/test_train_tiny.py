@@ -1,6 +1,6 @@
 """The committed tiny character-level model: it loads (as PagedLlama and as transformers' Llama), both
 generate the same tokens, it is trained (held-out loss far below chance), and save/load round-trips.
-Nothing here trains: the weights come from ``python -m pagedlib.train_tiny``."""
+Nothing here trains: the weights come from ``python -m pagedlib.teach.train_tiny``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,17 @@ from helpers import hf_greedy, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers: pagedlib picks Triton's mode first)
 from pagedlib.engine import Engine
-from pagedlib.train_tiny import TINY_DIR, CharTokenizer, TrainConfig, corpus, load_tiny, load_tiny_hf, save
-from pagedlib.train_tiny import _lr as lr_at
-from pagedlib.train_tiny import _windows as windows
+from pagedlib.teach.train_tiny import (
+    TINY_DIR,
+    CharTokenizer,
+    TrainConfig,
+    corpus,
+    load_tiny,
+    load_tiny_hf,
+    save,
+)
+from pagedlib.teach.train_tiny import _lr as lr_at
+from pagedlib.teach.train_tiny import _windows as windows
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def test_committed_files_are_small_and_say_how_they_were_made():
     weights = TINY_DIR / "model.safetensors"
     assert weights.stat().st_size < 4 * 2**20
     record = json.loads((TINY_DIR / "training.json").read_text())
-    assert record["command"] == "nice -n 10 python -m pagedlib.train_tiny"
+    assert record["command"] == "nice -n 10 python -m pagedlib.teach.train_tiny"
     assert record["config"] == TrainConfig().__dict__          # the defaults made these weights
     assert record["train_seconds"] > 0
 
@@ -92,5 +100,5 @@ def test_save_then_load_round_trips(tmp_path):
 
 
 def test_missing_weights_say_how_to_make_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m pagedlib.train_tiny"):
+    with pytest.raises(FileNotFoundError, match="python -m pagedlib.teach.train_tiny"):
         load_tiny(tmp_path)

@@ -20,15 +20,20 @@ import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first im
 
 # after pagedlib, which picks Triton's mode before triton's first import
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
-from pagedlib.attention import (
+from pagedlib.kernels.attention import (
     REL_ERROR_LIMITS,
     TOLERANCES,
     paged_attention,
     paged_attention_oracle,
     rel_error,
 )
-from pagedlib.triton_attention import MAX_SPLITS, choose_num_splits, launch_decode, paged_attention_triton
-from pagedlib.triton_tools import interpreting
+from pagedlib.kernels.triton_decode import (
+    MAX_SPLITS,
+    choose_num_splits,
+    launch_decode,
+    paged_attention_triton,
+)
+from pagedlib.kernels.triton_mode import interpreting
 
 # the kernel runs where its inputs live: CUDA tensors (compiled) when there is a GPU, else the interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,7 +262,7 @@ def test_refuses_compiled_mode_without_cuda(setup):
         pytest.skip("needs a machine without CUDA")
     first = "import torch._dynamo\n" if setup.startswith("import") else ""
     code = (first + "import torch, pagedlib\n"
-            "from pagedlib.triton_attention import paged_attention_triton as f\n"
+            "from pagedlib.kernels.triton_decode import paged_attention_triton as f\n"
             "q = torch.zeros(1, 1, 16); k = torch.zeros(1, 1, 1, 16)\n"
             "t = torch.zeros(1, 1, dtype=torch.int32); n = torch.ones(1, dtype=torch.int32)\n"
             "try:\n    f(q, k, k, t, n)\nexcept RuntimeError as e:\n    print(e)\n")

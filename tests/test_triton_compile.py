@@ -20,7 +20,7 @@ import pagedlib  # noqa: F401  (first: it picks Triton's mode before triton's fi
 
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
 
-from pagedlib.triton_tools import compile_for_gpu_many, ptx_excerpt, ptx_instructions
+from pagedlib.teach.ptx import compile_for_gpu_many, ptx_excerpt, ptx_instructions
 
 # (dtype, head_dim, block_size, group, split): every dtype, the real head dims, block sizes 1..128
 DECODE = [
@@ -96,13 +96,13 @@ def test_what_notebook_05_prints_does_not_depend_on_the_checkout(compiled, tmp_p
     shutil.copytree(Path(__file__).resolve().parents[1] / "pagedlib", clone / "pagedlib",
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = ("import json, torch\n"
-            "from pagedlib.triton_tools import compile_for_gpu\n"
+            "from pagedlib.teach.ptx import compile_for_gpu\n"
             "print(json.dumps(compile_for_gpu(90, dtype='float16', head_dim=128, block_size=16, group=4)))\n")
     env = {**os.environ, "PYTHONPATH": str(clone), "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     there = json.loads(proc.stdout)
-    assert f'"{clone}/pagedlib/triton_attention.py"' in there["ptx"]  # compiled from the clone's source
+    assert f'"{clone}/pagedlib/kernels/triton_decode.py"' in there["ptx"]  # compiled from the clone's source
     assert ptx_instructions(there["ptx"]) == ptx_instructions(here["ptx"])
     assert ptx_excerpt(there["ptx"]) == ptx_excerpt(here["ptx"])

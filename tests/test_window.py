@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_unchanged, snapshot
 
-from pagedlib.attention import paged_attention
-from pagedlib.cache import PagedKVCache
-from pagedlib.window import release_outside_window, sliding_window_attention, sliding_window_mask
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.window import release_outside_window
+from pagedlib.kernels.attention import paged_attention, sliding_window_attention, sliding_window_mask
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 

@@ -3,7 +3,7 @@
 Decode (one new token per sequence, a batch of sequences) and prefill (causal attention over one prompt)
 are measured separately. Every figure is the median of repeated calls, interleaved between the
 implementations and with the caches flushed before each call; GB/s is the bytes of K and V that must be
-read (``pagedlib.attention.kv_bytes``: every cached token once) divided by that time, and ``speedup`` is
+read (``kernels.attention.kv_bytes``: every cached token once) divided by that time, and ``speedup`` is
 contiguous SDPA's time divided by the row's (> 1: faster).
 
 Decode rows: ``reference`` (the per-token loop), ``paged`` (``paged_attention`` with its default chunks),
@@ -23,13 +23,6 @@ from typing import Any
 
 import torch
 
-from pagedlib.attention import (
-    contiguous_attention,
-    kv_bytes,
-    paged_attention,
-    paged_prefill_attention,
-    reference_paged_attention,
-)
 from pagedlib.bench.timing import (
     DTYPES,
     Timing,
@@ -42,8 +35,15 @@ from pagedlib.bench.timing import (
     time_once,
     write_json,
 )
-from pagedlib.cache import PagedKVCache
 from pagedlib.checks import ceil_div
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.kernels.attention import (
+    contiguous_attention,
+    kv_bytes,
+    paged_attention,
+    paged_prefill_attention,
+    reference_paged_attention,
+)
 
 COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", "speedup", "spread"]
 DECODE_IMPLS = ("reference", "paged", "paged-whole-batch", "contiguous")

@@ -8,7 +8,7 @@
    pool of random blocks far larger than L2. Rows: the Triton kernel without and with split-K, the
    torch gather path (``paged_attention``), and SDPA's flash backend on contiguous K/V of the same data.
 
-Each row's GB/s is the K/V bytes a decode step must read (``pagedlib.attention.kv_bytes``) over its time,
+Each row's GB/s is the K/V bytes a decode step must read (``kernels.attention.kv_bytes``) over its time,
 and ``speedup vs SDPA`` is SDPA's time divided by the row's (> 1: faster than SDPA).
 
 Times are medians over CUDA-event measurements of CUDA-graph replays (so Python launch overhead is not
@@ -33,10 +33,16 @@ from typing import Any
 
 import torch
 
-from pagedlib.attention import REL_ERROR_LIMITS, kv_bytes, paged_attention, paged_attention_oracle, rel_error
 from pagedlib.bench.timing import environment, markdown_table, print_table, speedup, write_json
-from pagedlib.cache import PagedKVCache
 from pagedlib.checks import ceil_div
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.kernels.attention import (
+    REL_ERROR_LIMITS,
+    kv_bytes,
+    paged_attention,
+    paged_attention_oracle,
+    rel_error,
+)
 
 RESULTS_DIR = Path("benchmarks/results")
 METHODS = ("triton", "triton split-K", "torch gather", "sdpa contiguous")
@@ -163,7 +169,7 @@ CORRECTNESS_CASES = [
 def correctness(device: str = "cuda", cases: Sequence[tuple] = CORRECTNESS_CASES) -> list[dict[str, Any]]:
     """The kernel against the float64 oracle on fresh random inputs (mixed lengths, NaN in unused slots,
     2 KV heads), without split-K, with the heuristic's choice, and with 7 splits."""
-    from pagedlib.triton_attention import paged_attention_triton
+    from pagedlib.kernels.triton_decode import paged_attention_triton
 
     out = []
     for dtype, head_dim, block_size, group, lens in cases:
@@ -232,7 +238,7 @@ def run_shape(shape: Shape, pool: Pool, l2_bytes: int, gen: torch.Generator, *, 
 
     ``timer(calls, inner, repeats, graph=...)`` is ``time_cuda`` on a GPU; a test passes a CPU stand-in
     to run this whole function on tiny CPU tensors through the interpreter."""
-    from pagedlib.triton_attention import paged_attention_triton
+    from pagedlib.kernels.triton_decode import paged_attention_triton
 
     inner, sets = replay_plan(shape.kv_bytes, l2_bytes)
     repeats = repeats if shape.kv_bytes < 2**30 else max(3, repeats // 3)
@@ -260,7 +266,7 @@ def run_shape(shape: Shape, pool: Pool, l2_bytes: int, gen: torch.Generator, *, 
 def _triton_rows(shape: Shape, pool: Pool, x: list[tuple[torch.Tensor, torch.Tensor]], lens: torch.Tensor,
                  base: dict[str, Any], timed: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """The kernel without split-K, and with the heuristic's number of splits (when it chooses > 1)."""
-    from pagedlib.triton_attention import choose_num_splits, launch_decode, sm_count
+    from pagedlib.kernels.triton_decode import choose_num_splits, launch_decode, sm_count
 
     sms = sm_count(torch.device(pool.device))
     splits = choose_num_splits(shape.batch, shape.kv_heads, shape.context, sms)
@@ -317,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE, file=sys.stderr)
         return 2
-    from pagedlib.triton_tools import interpreting
+    from pagedlib.kernels.triton_mode import interpreting
 
     if interpreting():
         print("TRITON_INTERPRET=1 is set: unset it to benchmark the compiled kernel.", file=sys.stderr)

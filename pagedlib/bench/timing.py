@@ -94,6 +94,43 @@ def num_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1, else a usage error (exit 2) before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a number > 0 (``inf`` allowed), else a usage error (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """argparse ``type=``: comma-separated integers >= 1 (``1,4,16``)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
+def writable_path(text: str) -> str:
+    """argparse ``type=``: a file path whose folder exists and is writable, checked before the run."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} is not a writable folder")
+    return text
+
+
 def add_run_arguments(p: argparse.ArgumentParser, *, repeats: int, repeats_help: str) -> None:
     """The options every CPU benchmark shares: ``--device``, ``--repeats``, ``--threads``, ``--json``."""
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

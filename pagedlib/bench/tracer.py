@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedlib.tracer import BlockTableTracer
-    from pagedlib.tracer_view import MAX_SLOTS, render_html
+    from pagedlib.teach.tracer import BlockTableTracer
+    from pagedlib.teach.tracer_view import MAX_SLOTS, render_html
 
     tracer = BlockTableTracer()  # the default pool: 12 blocks x 4 slots
     tracer.add_sequence()

@@ -14,7 +14,7 @@ The same softmax(q K^T * scale) V, computed four ways:
 
 ``paged_attention_oracle`` computes what ``paged_attention`` computes in float64, for checking kernels
 against ``TOLERANCES`` and ``REL_ERROR_LIMITS``; ``check_paged_inputs`` is the validation every paged
-decode path shares (the Triton kernel of ``pagedlib.triton_attention`` included).
+decode path shares (the Triton kernel of ``pagedlib.kernels.triton_decode`` included).
 
 GQA convention (the one of SDPA's ``enable_gqa`` and of ``repeat_interleave``): with ``group = q_heads //
 kv_heads``, query head ``h`` attends with KV head ``h // group``.
@@ -482,3 +482,61 @@ def _check_reference_query(q: torch.Tensor, pool: torch.Tensor, num_layers: int,
     if q.dtype != pool.dtype or q.device != pool.device:
         raise ValueError(f"q must have the cache's dtype {pool.dtype} and device {pool.device}, "
                          f"got {q.dtype} on {q.device}")
+
+
+# sliding windows (notebook 07)
+
+def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.device | str | None = None
+                        ) -> torch.Tensor:
+    """bool ``[q_len, kv_len]``: the queries are the last ``q_len`` of ``kv_len`` positions, and query
+    ``i`` (at position ``p = kv_len - q_len + i``) may see key ``j`` iff ``p - window < j <= p``.
+    ``True`` means "attend", as SDPA's ``attn_mask`` takes it."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]   # [q_len, 1]
+    k_pos = torch.arange(kv_len, device=device)[None, :]                   # [1, kv_len]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One decode step with a sliding window: each sequence's newest token attends to its last
+    ``window`` positions, read through the block table.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]``, the query of each sequence's newest token.
+        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``.
+        block_tables: int32 ``[batch, max_blocks]`` (padded with -1): the blocks the cache still holds.
+        seq_lens: int32 ``[batch]``: tokens the cache still holds (>= 1), the newest one included.
+        window: positions each query sees, its own included.
+    Returns:
+        ``[batch, q_heads, head_dim]``.
+
+    Released blocks start at a block boundary, so the window is simply the last ``min(window, n)`` held
+    tokens. Blocks are gathered whole (``[batch, n_blocks * block_size, kv_heads, head_dim]``); slots
+    outside the window or past the length get the score ``-inf`` and a zeroed V row (they may hold NaN).
+    """
+    batch, q_heads, kv_heads, head_dim, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables,
+                                                                        seq_lens)
+    window = as_int("window", window, minimum=1)
+    scale = softmax_scale(head_dim, scale)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    lens = seq_lens.long()[:, None]                                          # [batch, 1]
+    n_blocks = ceil_div(int(seq_lens.max()), block_size)
+    tables = block_tables[:, :n_blocks].long().clamp(min=0)                  # -1 padding -> block 0, masked
+    width = n_blocks * block_size
+    k = k_cache[tables].reshape(batch, width, kv_heads, head_dim).to(acc)    # [batch, width, kv_heads, D]
+    v = v_cache[tables].reshape(batch, width, kv_heads, head_dim).to(acc)
+    pos = torch.arange(width, device=q.device)[None, :]                      # [1, width]
+    hidden = (pos >= lens) | (pos < lens - window)                           # [batch, width]
+    v = v.masked_fill(hidden[:, :, None, None], 0.0)
+    qg = q.to(acc).view(batch, kv_heads, q_heads // kv_heads, head_dim) * scale
+    scores = torch.einsum("bhgd,bnhd->bhgn", qg, k)                          # [batch, kv_heads, group, width]
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgn,bnhd->bhgd", scores.softmax(-1), v)             # [batch, kv_heads, group, D]
+    return out.reshape(batch, q_heads, head_dim).to(q.dtype)

@@ -1,4 +1,4 @@
-"""Triton plumbing around the kernels of ``pagedlib.triton_attention`` (notebook 05, tests, benchmarks).
+"""Triton plumbing around the kernels of ``pagedlib.kernels.triton_decode`` (notebook 05, tests, benchmarks).
 
 - **Interpreter mode.** Without CUDA, ``pagedlib`` sets ``TRITON_INTERPRET=1`` before triton's first
   import, and the kernels run through Triton's interpreter (numpy on the CPU). ``interpreting`` says
@@ -12,70 +12,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
-import torch
 import triton
-import triton.language as tl
 
-__all__ = ["check_mode", "compile_for_gpu", "compile_for_gpu_many", "interpreter_lock", "interpreting",
-           "ptx_excerpt", "ptx_instructions"]
-
-_INTERPRETER_LOCK = threading.Lock()
-
-
-# ---------------------------------------------------------------------------------------------------
-# interpreter mode
-
-
-def _modes() -> tuple[bool, bool]:
-    """(triton's own library functions are interpreted, pagedlib's kernels are interpreted).
-
-    Triton's library (``tl.sum``, ``tl.max``, ...) takes its mode when triton is first imported; a kernel
-    takes it when it is decorated. The two differ when triton was imported before ``pagedlib`` set
-    ``TRITON_INTERPRET=1``, and such a mix fails inside the interpreter with an obscure message."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from pagedlib.triton_attention import _paged_decode_kernel
-
-    return isinstance(tl.sum, InterpretedFunction), isinstance(_paged_decode_kernel, InterpretedFunction)
-
-
-def interpreting() -> bool:
-    """True when the kernels run through Triton's interpreter (numpy on the CPU)."""
-    return all(_modes())
-
-
-def check_mode() -> None:
-    """Refuse the setups that cannot work, with a message that says how to fix them."""
-    library, kernels = _modes()
-    if library == kernels and (library or torch.cuda.is_available()):
-        return
-    raise RuntimeError(
-        "paged_attention_triton: triton was imported in compiled mode"
-        + (" before pagedlib could select its interpreter" if kernels else "")
-        + (", and there is no CUDA device" if not torch.cuda.is_available() else "")
-        + ". Triton fixes its mode when it is first imported, and importing torch._dynamo or torch.compile "
-        "imports it. Import pagedlib before those, or set TRITON_INTERPRET=1 in the environment before "
-        "starting Python."
-    )
-
-
-def interpreter_lock() -> contextlib.AbstractContextManager[Any]:
-    """A process-wide lock while the kernels are interpreted (one launch at a time); compiled launches on
-    a GPU need no lock and take none."""
-    return _INTERPRETER_LOCK if interpreting() else contextlib.nullcontext()
-
-
-# ---------------------------------------------------------------------------------------------------
 # compiling for a GPU without one
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -86,8 +32,8 @@ def _decode_source(dtype: str, head_dim: int, block_size: int, group: int, split
     (pointers and strides divisible by 16, unit strides along head_dim folded to constants)."""
     from triton.compiler import ASTSource
 
-    from pagedlib.triton_attention import _paged_decode_kernel as fn
-    from pagedlib.triton_attention import kernel_config
+    from pagedlib.kernels.triton_decode import _paged_decode_kernel as fn
+    from pagedlib.kernels.triton_decode import kernel_config
 
     ty = _TRITON_TYPES[dtype]
     pointers = {"q_ptr": ty, "k_ptr": ty, "v_ptr": ty, "table_ptr": "i32", "lens_ptr": "i32",
@@ -109,8 +55,8 @@ def _merge_source(head_dim: int, num_splits: int, out_dtype: str = "float32") ->
     """An ``ASTSource`` for the merge kernel (fp32 partials in, ``out_dtype`` output, as ``q``'s)."""
     from triton.compiler import ASTSource
 
-    from pagedlib.triton_attention import _merge_splits_kernel as fn
-    from pagedlib.triton_attention import kernel_config
+    from pagedlib.kernels.triton_decode import _merge_splits_kernel as fn
+    from pagedlib.kernels.triton_decode import kernel_config
 
     unit = {"stride_pd", "stride_od"}
     head_dim_p = kernel_config(head_dim, 1)["HEAD_DIM_P"]
@@ -152,7 +98,7 @@ def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> l
     """
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups
-            "from pagedlib import triton_tools as t\n"
+            "from pagedlib.teach import ptx as t\n"
             "json.dump(t._compile_here(json.load(sys.stdin)), sys.stdout)\n")
     proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
@@ -192,7 +138,7 @@ def ptx_excerpt(ptx: str, context: int = 6) -> str:
     ``.loc`` directives that map each PTX instruction to a source line, so the load is found by the line
     number of ``k = tl.load(`` in the kernel's source, not by guessing.
     """
-    from pagedlib.triton_attention import _paged_decode_kernel
+    from pagedlib.kernels.triton_decode import _paged_decode_kernel
 
     src_lines, first = inspect.getsourcelines(_paged_decode_kernel.fn)
     k_line = first + next(i for i, line in enumerate(src_lines) if line.strip().startswith("k = tl.load("))

@@ -3,7 +3,7 @@
 Each button calls one of the cache's own methods (``add_sequence``, ``fork``, ``append_token``,
 ``append_tokens``, ``free_sequence``, ``slot``); the tracer only remembers what the reader is looking at
 (the selected sequence, the highlighted lookup, the last copy-on-write, the last log line or error) and
-redraws the view with ``render_html`` (``pagedlib.tracer_view``). The cache holds real K and V (one layer,
+redraws the view with ``render_html`` (``teach.tracer_view``). The cache holds real K and V (one layer,
 one head of size 2): token ``p`` is written as ``k = v = p``, so what a slot holds is easy to check.
 
 Sharing (notebook 06): **Fork** shares every block of the selected sequence with a new one; the first
@@ -25,9 +25,9 @@ from typing import Any
 import ipywidgets as widgets
 import torch
 
-from pagedlib.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
 from pagedlib.checks import as_int, ceil_div
-from pagedlib.tracer_view import MAX_SEQUENCES, MAX_SLOTS, render_html
+from pagedlib.core.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
+from pagedlib.teach.tracer_view import MAX_SEQUENCES, MAX_SLOTS, render_html
 
 __all__ = ["SCENARIO", "BlockTableTracer"]
 

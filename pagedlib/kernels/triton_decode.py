@@ -1,6 +1,6 @@
 """A fused Triton paged-attention decode kernel (notebook 05).
 
-``paged_attention_triton`` takes exactly the arguments of ``pagedlib.attention.paged_attention`` and
+``paged_attention_triton`` takes exactly the arguments of ``pagedlib.kernels.attention.paged_attention`` and
 returns the same result, but never builds a contiguous copy of the keys and values: each program walks
 its sequence's block table itself and streams K/V straight out of the paged pool.
 
@@ -23,7 +23,7 @@ The file reads top to bottom: the decode kernel, the merge kernel, the launch co
   partitions that run as separate programs; each writes its partial ``(m, l, acc)`` and a second kernel
   merges them with a log-sum-exp weighting.
 
-On a machine without CUDA the kernels run through Triton's interpreter; ``pagedlib.triton_tools`` holds
+On a machine without CUDA the kernels run through Triton's interpreter; ``pagedlib.kernels.triton_mode`` holds
 that switch and the tooling that compiles the kernels for a GPU target without a GPU.
 """
 
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlib.attention import check_paged_inputs, softmax_scale
 from pagedlib.checks import as_int
-from pagedlib.triton_tools import check_mode, interpreter_lock, interpreting
+from pagedlib.kernels.attention import check_paged_inputs, softmax_scale
+from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpreting
 
 __all__ = ["MAX_BLOCK_SIZE", "MAX_HEAD_DIM", "MAX_SPLITS", "choose_num_splits", "kernel_config",
            "launch_decode", "paged_attention_triton", "sm_count"]

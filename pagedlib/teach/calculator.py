@@ -10,7 +10,7 @@ import html
 from dataclasses import dataclass
 
 from pagedlib.checks import as_int
-from pagedlib.sizing import (
+from pagedlib.teach.sizing import (
     DTYPE_BYTES,
     PRESETS,
     ModelSpec,
@@ -88,7 +88,7 @@ def memory_report(
     num_seqs: int = 256, seed: int = 0,
 ) -> MemoryReport:
     """Size a cache for ``num_seqs`` synthetic requests (lengths from
-    :func:`pagedlib.sizing.synthetic_seq_lens`, clipped to ``max_tokens``) under both schemes.
+    :func:`pagedlib.teach.sizing.synthetic_seq_lens`, clipped to ``max_tokens``) under both schemes.
 
     ``paged_fit`` answers: in the bytes that reserving ``max_tokens`` for each of the ``num_seqs``
     requests takes, how many requests of the same seeded stream fit when each holds only whole blocks?

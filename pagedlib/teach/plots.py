@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from pagedlib.checks import ceil_div
-from pagedlib.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
-from pagedlib.sizing import block_table_entries, blocks_needed, paged_utilization
+from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
+from pagedlib.teach.sizing import block_table_entries, blocks_needed, paged_utilization
 
 
 def _new_figure(width: float = 7.0, height: float = 3.5) -> tuple[Figure, plt.Axes]:
@@ -359,7 +359,7 @@ def plot_serving_timeline(results: list) -> Figure:
     and the number of running requests (bottom); long runs are drawn at every k-th step."""
     import numpy as np
 
-    from pagedlib.serving import CATEGORIES
+    from pagedlib.core.scheduler import CATEGORIES
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.0), sharex=True, layout="constrained")
     for r in results:

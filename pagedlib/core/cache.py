@@ -28,8 +28,8 @@ from typing import NamedTuple
 import torch
 
 from pagedlib.checks import as_int, ceil_div
-from pagedlib.prefix_cache import PrefixCache
-from pagedlib.sizing import format_bytes
+from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.teach.sizing import format_bytes
 
 __all__ = ["SUPPORTED_DTYPES", "InvariantError", "OutOfBlocksError", "PagedKVCache", "Slot",
            "UnknownSequenceError"]

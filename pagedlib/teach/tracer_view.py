@@ -1,6 +1,6 @@
 """The tracer's view: ``render_html(cache, ...)``, a pure function from a ``PagedKVCache``'s state to one
 HTML string, built by one small function per panel (log, counters, pool, free blocks, block tables, lookup,
-decode reads). ``BlockTableTracer`` (``pagedlib.tracer``) shows it in a widget.
+decode reads). ``BlockTableTracer`` (``pagedlib.teach.tracer``) shows it in a widget.
 
 Sharing (notebook 06) is drawn from the cache's public state: a block several tables hold has a black
 border and a ``×N`` badge with its holders (``block_holders()``, ``ref_counts``); the block a copy-on-write
@@ -19,9 +19,9 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from pagedlib.cache import PagedKVCache
 from pagedlib.checks import as_int
-from pagedlib.colors import CACHED_COLOR, CACHED_EDGE, FREE_COLOR, owner_color
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.teach.colors import CACHED_COLOR, CACHED_EDGE, FREE_COLOR, owner_color
 
 __all__ = ["MAX_SEQUENCES", "MAX_SLOTS", "render_html"]
 

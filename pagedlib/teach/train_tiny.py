@@ -7,7 +7,7 @@ the architecture ``PagedLlama`` implements, so it loads like the oracle model of
 Made by this command (seeded, one thread; it took 418 s on this course's shared 2-core machine while other
 jobs ran; ``training.json`` records the run)::
 
-    nice -n 10 python -m pagedlib.train_tiny
+    nice -n 10 python -m pagedlib.teach.train_tiny
 
 It writes ``pagedlib/data/tiny_char_llama/``: ``model.safetensors`` (weights), ``config.json`` (the
 ``LlamaConfig`` plus what the training run measured) and ``vocab.json`` (the characters). Tests and notebooks
@@ -32,8 +32,8 @@ from pagedlib.model import PagedLlama
 
 __all__ = ["CharTokenizer", "TINY_DIR", "TrainConfig", "corpus", "load_tiny", "load_tiny_hf", "train"]
 
-TINY_DIR = Path(__file__).parent / "data" / "tiny_char_llama"
-COMMAND = "nice -n 10 python -m pagedlib.train_tiny"
+TINY_DIR = Path(__file__).parent.parent / "data" / "tiny_char_llama"
+COMMAND = "nice -n 10 python -m pagedlib.teach.train_tiny"
 
 # the few non-ASCII characters of the corpus, spelled in ASCII so the vocabulary stays printable ASCII
 _ASCII = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-",
@@ -197,7 +197,7 @@ def load_tiny_hf(path: Path = TINY_DIR) -> tuple[Any, CharTokenizer]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedlib.train_tiny", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pagedlib.teach.train_tiny", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=TINY_DIR, help="output folder (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps")

@@ -1,0 +1,1 @@
+"""The serving simulation of notebook 07: seeded workloads and ``simulate`` over the real scheduler."""
