@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedlib.bench.timing import print_table, write_json
+from pagedlib.bench.timing import print_table, writable_path, write_json
 from pagedlib.core.scheduler import CATEGORIES, POLICIES
 from pagedlib.sim.simulate import simulate
 from pagedlib.sim.workloads import alpaca_like, shared_prompt_like, sharegpt_like
@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="add a row: paged with prefix caching (needs --workload shared)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows and settings as JSON")
+    p.add_argument("--json", metavar="FILE", type=writable_path,
+                   help="also write the rows and settings as JSON")
 
 
 def main(args: argparse.Namespace) -> int:

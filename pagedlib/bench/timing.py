@@ -131,14 +131,27 @@ def writable_path(text: str) -> str:
     return text
 
 
+def device_name(text: str) -> str:
+    """argparse ``type=``: ``cpu``, or ``cuda``/``cuda:N`` where CUDA is available."""
+    if text == "cpu":
+        return text
+    if text.split(":")[0] != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device (use cpu)")
+    return text
+
+
 def add_run_arguments(p: argparse.ArgumentParser, *, repeats: int, repeats_help: str) -> None:
     """The options every CPU benchmark shares: ``--device``, ``--repeats``, ``--threads``, ``--json``."""
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--device", type=device_name, default=None,
+                   help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--repeats", type=positive_int, default=repeats, help=repeats_help)
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads during the run (default: torch's own choice); 1 gives steadier "
                         "numbers on a busy machine")
-    p.add_argument("--json", metavar="FILE", help="also write rows and environment as JSON")
+    p.add_argument("--json", metavar="FILE", type=writable_path,
+                   help="also write rows and environment as JSON")
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from pagedlib.bench.timing import environment, print_table, time_fn, write_json
+from pagedlib.bench.timing import environment, positive_int, print_table, time_fn, writable_path, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=200, help="timed clicks per control")
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--repeats", type=positive_int, default=200, help="timed clicks per control")
+    parser.add_argument("--json", metavar="FILE", type=writable_path, help="also write the results as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
