@@ -38,9 +38,8 @@ def plot_length_histogram(seq_lens: list[int], max_tokens: int) -> Figure:
     return fig
 
 
-def plot_reserved_vs_used(
-    seq_lens: list[int], bytes_per_token: int, max_tokens: int, block_size: int
-) -> Figure:
+def plot_reserved_vs_used(seq_lens: list[int], bytes_per_token: int, max_tokens: int,
+                          block_size: int) -> Figure:
     """Per-request and total KV memory under max-length reservation vs paging vs the tokens stored."""
     import numpy as np
 
@@ -71,7 +70,7 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
     ax.plot(block_sizes, waste, "o-", color=OWNER_COLORS[3], label="wasted tail slots (left axis)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
-    ax.set_xlabel("block_size (tokens per block, log scale)")
+    ax.set(xlabel="block_size (tokens per block, log scale)", title="Block size: fragmentation vs lookup")
     ax.set_ylabel("wasted slots (% of allocated)", color=OWNER_COLORS[3])
     twin = ax.twinx()
     twin.plot(block_sizes, entries, "s--", color=OWNER_COLORS[0], label="block-table entries (right axis)")
@@ -81,7 +80,6 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
     ax.annotate("vLLM default (16)", xy=(16, max(waste) * 0.9), xytext=(4, 0), textcoords="offset points",
                 fontsize=8, color="gray")
     fig.legend(loc="outside lower center", ncols=2, frameon=False, fontsize=8)
-    ax.set_title("Block size: fragmentation vs lookup work")
     return fig
 
 
@@ -187,10 +185,9 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
                 color=ALLOC_COLORS.get(method), ls=":" if method == "copy_" else "-")
     batches = sorted({r["tokens"] for r in decode})
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("decode batch (sequences, one new token each; log scale)")
-    ax.set_ylabel("tokens written per second (log scale)")
+    ax.set(yscale="log", xlabel="decode batch (sequences, one new token each; log scale)",
+           ylabel="tokens written per second (log scale)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title or "Writing one decode step into the KV cache", fontsize=9)
@@ -274,9 +271,7 @@ def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], ti
     fig, ax = _new_figure(7.0, 3.4)
     for (label, mib), color in zip(curves.items(), (OWNER_COLORS[3], OWNER_COLORS[0], OWNER_COLORS[2])):
         ax.plot(generated, mib, color=color, label=label)
-    ax.set_xlabel("tokens generated per sample")
-    ax.set_ylabel("KV cache in use (MiB)")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="tokens generated per sample", ylabel="KV cache in use (MiB)", ylim=(0, None))
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title, fontsize=9)
