@@ -76,3 +76,9 @@ def test_fit_is_not_capped_for_long_reservations():
     assert r.paged_fit == max_sequences(spec, contiguous_kv_bytes(spec, 131072, 4), stream, block_size=16)
     assert r.paged_fit > 64 * 4
     assert "seed 3" in memory_report(seed=3).html()
+
+
+def test_the_calculator_displays_as_its_widget():
+    calc = MemoryCalculator()
+    view = calc._repr_mimebundle_()["application/vnd.jupyter.widget-view+json"]
+    assert view["model_id"] == calc.widget.model_id
