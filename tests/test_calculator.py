@@ -16,7 +16,7 @@ def test_default_report_matches_sizing_and_is_deterministic():
     assert r.paged_bytes == paged_kv_bytes(spec, lens, 16)
     assert r.paged_bytes < r.contiguous_bytes
     assert r.used_bytes <= r.paged_bytes
-    assert r.text() == memory_report().text()
+    assert r.html() == memory_report().html()
     assert "128 GiB" in r.html()
 
 
@@ -75,4 +75,10 @@ def test_fit_is_not_capped_for_long_reservations():
     stream = synthetic_seq_lens(r.paged_fit * 2, max_tokens=131072, seed=0)
     assert r.paged_fit == max_sequences(spec, contiguous_kv_bytes(spec, 131072, 4), stream, block_size=16)
     assert r.paged_fit > 64 * 4
-    assert "seed 3" in memory_report(seed=3).text()
+    assert "seed 3" in memory_report(seed=3).html()
+
+
+def test_the_calculator_displays_as_its_widget():
+    calc = MemoryCalculator()
+    view = calc._repr_mimebundle_()["application/vnd.jupyter.widget-view+json"]
+    assert view["model_id"] == calc.widget.model_id

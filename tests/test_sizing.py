@@ -22,6 +22,7 @@ from pagedlib.teach.sizing import (
     paged_kv_bytes,
     paged_utilization,
     paged_wasted_slots,
+    synthetic_seq_len_chunks,
     synthetic_seq_lens,
 )
 
@@ -123,6 +124,9 @@ def test_max_sequences_paging_admits_more():
         (lambda: paged_kv_bytes(ARTICLE, [10, -3], 16), r"seq_lens\[1\]"),
         (lambda: paged_kv_bytes(ARTICLE, [10], "16"), "block_size"),
         (lambda: synthetic_seq_lens(0), "num_seqs"),
+        (lambda: paged_wasted_slots(-1, 4), "^seq_len must be >= 0, got -1$"),  # the caller's name
+        (lambda: contiguous_wasted_slots(-1, 4), "^seq_len must be >= 0, got -1$"),
+        (lambda: contiguous_wasted_slots(5, 4), r"^a sequence of 5 tokens exceeds max_tokens \(4\)$"),
     ],
 )
 def test_bad_arguments_name_the_argument(call, name):
@@ -208,6 +212,7 @@ def test_max_sequences_is_exact_beyond_int64():
         max_sequences(ARTICLE, 10**15, [2**63], block_size=16)
 
 
-def test_synthetic_prefix_is_stable_and_arrays_match_lists():
+def test_synthetic_prefix_is_stable_and_chunks_match_lists():
     assert synthetic_seq_lens(5, seed=1) == synthetic_seq_lens(50, seed=1)[:5]
-    assert synthetic_seq_lens(7, seed=1, as_array=True).tolist() == synthetic_seq_lens(7, seed=1)
+    chunks = synthetic_seq_len_chunks(3, seed=1)  # the calculator reads the same stream in chunks
+    assert [n for _ in range(3) for n in next(chunks).tolist()] == synthetic_seq_lens(9, seed=1)

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from pagedlib.checks import ceil_div
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
-from pagedlib.teach.sizing import block_table_entries, blocks_needed, paged_utilization
+from pagedlib.teach.sizing import block_table_entries, paged_utilization
 
 
 def _new_figure(width: float = 7.0, height: float = 3.5) -> tuple[Figure, plt.Axes]:
@@ -22,50 +22,43 @@ def _new_figure(width: float = 7.0, height: float = 3.5) -> tuple[Figure, plt.Ax
 
 
 def plot_length_histogram(seq_lens: list[int], max_tokens: int) -> Figure:
-    """Histogram of request lengths (tokens), with the reservation limit marked."""
+    """Histogram of request lengths (tokens, log-2 bins), with the reservation limit and the median marked."""
     import numpy as np
 
     fig, ax = _new_figure(7.0, 3.0)
-    bins = np.logspace(0, np.log2(max_tokens), 40, base=2)
-    ax.hist(seq_lens, bins=bins, color=OWNER_COLORS[0], edgecolor="white")
+    median = float(np.median(seq_lens))  # a notebook prints np.median too, so text and legend agree
+    ax.hist(seq_lens, bins=np.logspace(0, np.log2(max_tokens), 40, base=2), color=OWNER_COLORS[0],
+            edgecolor="white", label="requests per bin")
     ax.set_xscale("log", base=2)
     ax.axvline(max_tokens, color=OWNER_COLORS[3], ls="--", label=f"max_tokens = {max_tokens}")
-    ax.axvline(float(np.median(seq_lens)), color="black", ls=":", label=f"median = {np.median(seq_lens):.0f}")
-    ax.set_xlabel("request length (tokens, log scale)")
-    ax.set_ylabel("requests")
-    ax.set_title(f"Synthetic workload: {len(seq_lens)} requests")
+    ax.axvline(median, color="black", ls=":", label=f"median = {median:g}")
+    ax.set(xlabel="request length (tokens, log scale)", ylabel="requests",
+           title=f"Synthetic workload: {len(seq_lens)} requests")
     ax.legend(frameon=False)
     return fig
 
 
-def plot_reserved_vs_used(
-    seq_lens: list[int], bytes_per_token: int, max_tokens: int, block_size: int
-) -> Figure:
-    """Per-request and total KV memory (GiB) under max-length reservation vs paging vs the ideal."""
+def plot_reserved_vs_used(seq_lens: list[int], bytes_per_token: int, max_tokens: int,
+                          block_size: int) -> Figure:
+    """Per-request and total KV memory under max-length reservation vs paging vs the tokens stored."""
     import numpy as np
 
     lens = np.sort(np.asarray(seq_lens))
-    gib = bytes_per_token / 2**30
-    used = lens * gib
-    paged = np.array([blocks_needed(n, block_size) * block_size for n in lens]) * gib
-    reserved = np.full_like(used, max_tokens * gib)
+    slots = {"contiguous (reserves max_tokens)": np.full(len(lens), max_tokens),
+           f"paged (block_size={block_size})": ceil_div(lens, block_size) * block_size,
+           "tokens actually stored": lens}
+    colors, styles = [OWNER_COLORS[3], OWNER_COLORS[0], "#555555"], ["-", "-", ":"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 3.6), layout="constrained",
                                       gridspec_kw={"width_ratios": [2, 1]})
-    x = np.arange(len(lens))
-    left.plot(x, reserved * 1024, color=OWNER_COLORS[3], label="contiguous (reserves max_tokens)")
-    left.plot(x, paged * 1024, color=OWNER_COLORS[0], label=f"paged (block_size={block_size})")
-    left.plot(x, used * 1024, color="black", ls=":", label="tokens actually stored")
-    left.set_yscale("log")
-    left.set_xlabel("request (sorted by length)")
-    left.set_ylabel("KV cache per request (MiB, log scale)")
-    left.set_title("Per request")
+    for (label, held), color, ls in zip(slots.items(), colors, styles):
+        left.plot(held * bytes_per_token / 2**20, color=color, ls=ls, label=label)
+    left.set(yscale="log", xlabel="request (sorted by length)", title="Per request",
+             ylabel="KV cache per request (MiB, log scale)")
     left.legend(frameon=False, fontsize=8)
-    totals = [reserved.sum(), paged.sum(), used.sum()]
-    bars = right.bar(["contiguous", "paged", "used"], totals,
-                     color=[OWNER_COLORS[3], OWNER_COLORS[0], "#555555"])
+    totals = [held.sum() * bytes_per_token / 2**30 for held in slots.values()]
+    bars = right.bar(["contiguous", "paged", "stored"], totals, color=colors)
     right.bar_label(bars, labels=[f"{t:.1f}" for t in totals], fontsize=8)
-    right.set_ylabel("KV cache, all requests (GiB)")
-    right.set_title("Whole batch")
+    right.set(ylabel="KV cache, all requests (GiB)", title="Whole batch (colours as on the left)")
     return fig
 
 
@@ -74,19 +67,19 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
     waste = [100 * (1 - paged_utilization(seq_lens, b)) for b in block_sizes]
     entries = [block_table_entries(seq_lens, b) / len(seq_lens) for b in block_sizes]
     fig, ax = _new_figure(7.0, 3.6)
-    ax.plot(block_sizes, waste, "o-", color=OWNER_COLORS[3], label="wasted tail slots")
+    ax.plot(block_sizes, waste, "o-", color=OWNER_COLORS[3], label="wasted tail slots (left axis)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
-    ax.set_xlabel("block_size (tokens per block, log scale)")
+    ax.set(xlabel="block_size (tokens per block, log scale)", title="Block size: fragmentation vs lookup")
     ax.set_ylabel("wasted slots (% of allocated)", color=OWNER_COLORS[3])
     twin = ax.twinx()
-    twin.plot(block_sizes, entries, "s--", color=OWNER_COLORS[0], label="block-table entries")
+    twin.plot(block_sizes, entries, "s--", color=OWNER_COLORS[0], label="block-table entries (right axis)")
     twin.set_yscale("log")
-    twin.set_ylabel("block-table entries per request (log)", color=OWNER_COLORS[0])
+    twin.set_ylabel("block-table entries per request (log scale)", color=OWNER_COLORS[0])
     ax.axvline(16, color="gray", lw=0.8, ls=":")
     ax.annotate("vLLM default (16)", xy=(16, max(waste) * 0.9), xytext=(4, 0), textcoords="offset points",
                 fontsize=8, color="gray")
-    ax.set_title("Block size: fragmentation vs lookup work")
+    fig.legend(loc="outside lower center", ncols=2, frameon=False, fontsize=8)
     return fig
 
 
@@ -94,64 +87,87 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 
 
 def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
-    """The physical pool of a ``PagedKVCache``: one cell per block (its id on top), split into
-    ``block_size`` slots; a slot holding a token is coloured by its (first) sequence, the unwritten tail of a
-    last block is hatched in that colour, a block several sequences share is outlined in black with its
-    reference count (``x2``); free blocks are grey with their depth on the free stack (1 = popped next),
-    cached free blocks green with their eviction order (``e1`` = evicted first)."""
-    from matplotlib.patches import Patch, Rectangle
+    """The physical pool of a ``PagedKVCache``, one cell per block (its id on top) split into ``block_size``
+    slots: a token's slot in its sequence's colour (a shared block in one band per holder, outlined, with its
+    reference count), an unwritten slot hatched; free blocks grey with their place on the free stack (1 =
+    top, taken next), cached free blocks green with their eviction order (e1 = evicted first)."""
+    from matplotlib.patches import Rectangle
 
-    nb, bs = cache.num_blocks, cache.block_size
+    nb, bs, order = cache.num_blocks, cache.block_size, list(cache.tables)
     cols = cols or min(nb, 16)
     rows = ceil_div(nb, cols)
     fig, ax = _new_figure(min(0.62 * cols + 2.6, 13.0), 0.62 * rows + 1.0)
-    owners, order = cache.block_owners(), list(cache.tables)
-    fill = {b: min(bs, cache.seq_lens[s] - i * bs) for s, t in cache.tables.items() for i, b in enumerate(t)}
-    free_label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}
-    queue = list(cache.prefix_cache.free_queue) if cache.prefix_cache else []
-    free_label |= {b: f"e{i + 1}" for i, b in enumerate(queue)}
+    holders, fill, label = _pool_contents(cache)
     for b in range(nb):
         x, y = b % cols, -(b // cols)
-        if owners[b] is None:
-            color = CACHED_COLOR if b in queue else FREE_COLOR
-            ax.add_patch(Rectangle((x, y), 0.9, 0.7, color=color, ec="#BBBBBB", lw=0.6))
-            ax.text(x + 0.45, y + 0.35, free_label[b], ha="center", va="center", fontsize=7, color="#666666")
+        if holders[b]:
+            _draw_held_block(ax, x, y, [owner_color(s, order) for s in holders[b]], fill[b], bs)
         else:
-            _draw_held_block(ax, x, y, owner_color(owners[b], order), fill[b], bs, cache.ref_counts[b])
+            color = CACHED_COLOR if label[b].startswith("e") else FREE_COLOR
+            ax.add_patch(Rectangle((x, y), 0.9, 0.7, color=color, ec="#BBBBBB", lw=0.6))
+            ax.text(x + 0.45, y + 0.35, label[b], ha="center", va="center", fontsize=7, color="#666666")
         ax.text(x + 0.45, y + 0.78, str(b), ha="center", va="bottom", fontsize=7)
-    handles = [Patch(color=owner_color(s, order), label=f"seq {s}: {cache.seq_lens[s]} tokens, "
-                     f"{len(cache.tables[s])} blocks") for s in order]
-    handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#BBBBBB",
-                         label=f"free: {len(cache.free)} (number = depth on the stack)"))
-    if cache.prefix_cache is not None:
-        handles.append(Patch(facecolor=CACHED_COLOR, edgecolor="#BBBBBB",
-                             label=f"cached, free: {len(queue)} (e1 = evicted first)"))
-    if any(c > 1 for c in cache.ref_counts):
-        handles.append(Patch(facecolor="white", edgecolor="black", lw=1.6, label="shared (x = ref. count)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
-    ax.set_xlim(-0.1, cols)
-    ax.set_ylim(-rows + 0.9, 1.15)
+    ax.legend(handles=_pool_legend(cache, holders, fill, label), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False, fontsize=8)
+    ax.set(xlim=(-0.1, cols), ylim=(-rows + 0.9, 1.15))
     ax.set_axis_off()
-    used, tokens, slots = cache.num_used_blocks, cache.num_tokens, cache.num_allocated_slots
-    ax.set_title(title or f"Physical pool: {used}/{nb} blocks used, {tokens} tokens in {slots} allocated "
-                 f"slots ({cache.utilization:.0%})", fontsize=9)
+    used, stored = sum(map(bool, holders)), sum(fill)  # physical: a shared block and its slots count once
+    ax.set_title(title or f"Physical pool: {used}/{nb} blocks in use" + (
+        f", {stored} of their {used * bs} slots hold a token ({stored / (used * bs):.0%})" if used else ""),
+        fontsize=9, loc="left")
     return fig
 
 
-def _draw_held_block(ax: plt.Axes, x: float, y: float, color: str, fill: int, block_size: int,
-                     ref_count: int) -> None:
-    """One held block: ``fill`` slots in ``color``, the rest hatched; outlined with its count if shared."""
+def _pool_contents(cache) -> tuple[list[list], list[int], dict[int, str]]:
+    """Per block: the sequences holding it (table order), its slots that hold a token, and for a free block
+    its label (place on the free stack, 1 = top; ``e1`` = the cached free block evicted first)."""
+    holders, fill, bs = [[] for _ in range(cache.num_blocks)], [0] * cache.num_blocks, cache.block_size
+    for s, table in cache.tables.items():
+        for i, b in enumerate(table):
+            holders[b].append(s)
+            fill[b] = max(fill[b], min(bs, cache.seq_lens[s] - i * bs))
+    queue = cache.prefix_cache.free_queue if cache.prefix_cache else []
+    label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}
+    return holders, fill, label | {b: f"e{i + 1}" for i, b in enumerate(queue)}
+
+
+def _draw_held_block(ax: plt.Axes, x: float, y: float, colors: list[str], fill: int, block_size: int) -> None:
+    """One held block, a horizontal band per holder (``colors``): ``fill`` slots filled, the rest hatched;
+    outlined with its reference count if shared."""
     from matplotlib.patches import Rectangle
 
-    slot_w = 0.9 / block_size
-    for off in range(block_size):
-        style = {"facecolor": color, "edgecolor": "white"} if off < fill else \
-            {"facecolor": "white", "edgecolor": color, "hatch": "////"}
-        ax.add_patch(Rectangle((x + off * slot_w, y), slot_w, 0.7, lw=0.6, **style))
-    if ref_count > 1:
+    w, h = 0.9 / block_size, 0.7 / len(colors)
+    for k, color in enumerate(colors):  # the first holder on top
+        for off in range(block_size):
+            style = {"facecolor": color, "edgecolor": "white"} if off < fill else \
+                {"facecolor": "white", "edgecolor": color, "hatch": "////"}
+            ax.add_patch(Rectangle((x + off * w, y + 0.7 - (k + 1) * h), w, h, lw=0.6, **style))
+    if len(colors) > 1:
         ax.add_patch(Rectangle((x, y), 0.9, 0.7, fill=False, ec="black", lw=1.6))
-        ax.text(x + 0.45, y + 0.35, f"x{ref_count}", ha="center", va="center", fontsize=7, fontweight="bold",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+        ax.text(x + 0.45, y + 0.35, f"x{len(colors)}", ha="center", va="center", fontsize=7,
+                fontweight="bold", bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+
+
+def _pool_legend(cache, holders: list[list], fill: list[int], label: dict[int, str]) -> list:
+    """Legend entries for ``plot_block_pool``: only the colours and marks the picture shows."""
+    from matplotlib.patches import Patch
+
+    order, free, cached = list(cache.tables), len(cache.free), len(label) - len(cache.free)
+    handles = [Patch(color=owner_color(s, order), label=f"seq {s}: {cache.seq_lens[s]} tokens, "
+                     f"{len(cache.tables[s])} blocks") for s in order if cache.tables[s]]
+    if any(len(h) > 1 for h in holders):
+        handles.append(Patch(facecolor="white", edgecolor="black", lw=1.6,
+                             label="shared: a band per holder, x = reference count"))
+    if any(h and f < cache.block_size for h, f in zip(holders, fill)):
+        handles.append(Patch(facecolor="white", edgecolor="#777777", hatch="////",
+                             label="hatched: slot not yet written"))
+    if free:
+        handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#BBBBBB",
+                             label=f"free: {free} (1 = top of the stack, taken next)"))
+    if cached:
+        handles.append(Patch(facecolor=CACHED_COLOR, edgecolor="#BBBBBB",
+                             label=f"cached, free: {cached} (e1 = evicted first)"))
+    return handles
 
 
 ALLOC_COLORS = {"append_token": OWNER_COLORS[3], "append_batch": OWNER_COLORS[0],
@@ -169,10 +185,9 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
                 color=ALLOC_COLORS.get(method), ls=":" if method == "copy_" else "-")
     batches = sorted({r["tokens"] for r in decode})
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("decode batch (sequences, one new token each; log scale)")
-    ax.set_ylabel("tokens written per second (log scale)")
+    ax.set(yscale="log", xlabel="decode batch (sequences, one new token each; log scale)",
+           ylabel="tokens written per second (log scale)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title or "Writing one decode step into the KV cache", fontsize=9)
@@ -256,9 +271,7 @@ def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], ti
     fig, ax = _new_figure(7.0, 3.4)
     for (label, mib), color in zip(curves.items(), (OWNER_COLORS[3], OWNER_COLORS[0], OWNER_COLORS[2])):
         ax.plot(generated, mib, color=color, label=label)
-    ax.set_xlabel("tokens generated per sample")
-    ax.set_ylabel("KV cache in use (MiB)")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="tokens generated per sample", ylabel="KV cache in use (MiB)", ylim=(0, None))
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title, fontsize=9)
@@ -266,18 +279,24 @@ def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], ti
 
 
 def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evictions: list[int],
-                          title: str = "") -> Figure:
-    """Prefix-cache hit rate (% of prompt tokens) and blocks evicted against the pool size (blocks)."""
+                          title: str = "", marks: dict[int, str] | None = None) -> Figure:
+    """Prefix-cache hit rate (% of prompt tokens) and blocks evicted against the pool size (blocks); each
+    ``marks`` entry (pool size -> text) draws a labelled vertical line."""
     fig, ax = _new_figure(7.0, 3.4)
-    ax.plot(pool_blocks, [100 * r for r in hit_rates], "o-", color=OWNER_COLORS[0], label="hit rate")
-    ax.set_xlabel("pool size (blocks)")
+    ax.plot(pool_blocks, [100 * r for r in hit_rates], "o-", color=OWNER_COLORS[0],
+            label="hit rate (left axis)")
+    ax.set(xlabel="pool size (blocks)", ylim=(0, 100), title=title)
     ax.set_ylabel("prompt tokens found in the cache (%)", color=OWNER_COLORS[0])
-    ax.set_ylim(0, 100)
     twin = ax.twinx()
-    twin.plot(pool_blocks, evictions, "s--", color=OWNER_COLORS[3], label="evictions")
+    twin.plot(pool_blocks, evictions, "s--", color=OWNER_COLORS[3], label="evictions (right axis)")
+    twin.set_ylim(0, 1.08 * max(evictions, default=1))
     twin.set_ylabel("cached blocks evicted (count)", color=OWNER_COLORS[3])
+    for x, text in (marks or {}).items():
+        ax.axvline(x, color="gray", lw=0.8, ls=":")
+        ax.text(x, 97, f" {text}", fontsize=7, color="#555555", va="top", ha="left")
+    fig.legend(loc="outside lower center", ncols=2, frameon=False, fontsize=8)
     ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=9)
+    ax.title.set_fontsize(9)
     return fig
 
 

@@ -1,0 +1,108 @@
+"""The figures say what they show. The pool picture of notebooks 02, 03 and 06: physical counts in its
+title, the holders of a shared block in its colours, a legend of exactly the colours and marks it draws.
+Notebook 01's histogram quotes the median a reader computes; notebook 06's eviction counts start at 0."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+from matplotlib.colors import to_hex
+from matplotlib.patches import Rectangle
+
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.teach import plots
+from pagedlib.teach.colors import CACHED_COLOR, OWNER_COLORS
+
+
+def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, n, 1, 2), torch.zeros(1, n, 1, 2)
+
+
+def forked() -> PagedKVCache:
+    cache = PagedKVCache(num_blocks=8, num_layers=1, block_size=4, kv_heads=1, head_dim=2, free_order=[5, 2])
+    cache.add_sequence("parent")
+    cache.append_tokens("parent", *kv(6))
+    cache.fork("parent", "child")
+    return cache
+
+
+def legend_labels(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def fills_in_cell(fig, block: int, cols: int) -> set[str]:
+    """Face colours of the slot rectangles drawn inside block ``block``'s cell."""
+    x, y = block % cols, -(block // cols)
+    inside = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_fill()
+              and x <= p.get_x() < x + 0.9 and y <= p.get_y() < y + 0.7]
+    return {to_hex(p.get_facecolor()) for p in inside}
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def test_an_empty_pool_claims_no_utilization():
+    cache = PagedKVCache(num_blocks=8, num_layers=1, block_size=4, kv_heads=1, head_dim=2)
+    fig = plots.plot_block_pool(cache)
+    assert fig.axes[0].get_title(loc="left") == "Physical pool: 0/8 blocks in use"
+    assert legend_labels(fig) == ["free: 8 (1 = top of the stack, taken next)"]
+
+
+def test_title_counts_physical_slots_once():
+    cache = forked()  # two tables of 6 tokens each name the same 2 blocks: 6 tokens in 8 physical slots
+    assert cache.num_tokens == 12 and cache.num_allocated_slots == 16  # the logical counts
+    fig = plots.plot_block_pool(cache, cols=8)
+    assert fig.axes[0].get_title(loc="left") == \
+        "Physical pool: 2/8 blocks in use, 6 of their 8 slots hold a token (75%)"
+
+
+def test_a_shared_block_shows_every_holder_and_the_legend_only_what_is_drawn():
+    cache = forked()
+    cache.add_sequence("empty")  # holds no block: drawn nowhere, so not in the legend
+    fig = plots.plot_block_pool(cache, cols=8)
+    parent, child = OWNER_COLORS[0].lower(), OWNER_COLORS[1].lower()
+    for block in (5, 2):
+        assert {parent, child} <= fills_in_cell(fig, block, 8)
+    assert legend_labels(fig) == [
+        "seq parent: 6 tokens, 2 blocks", "seq child: 6 tokens, 2 blocks",
+        "shared: a band per holder, x = reference count", "hatched: slot not yet written",
+        "free: 6 (1 = top of the stack, taken next)"]
+    drawn = {to_hex(p.get_facecolor()) for p in fig.axes[0].patches}
+    for handle in fig.axes[0].get_legend().legend_handles:
+        assert to_hex(handle.get_facecolor()) in drawn | {"#ffffff"}
+
+
+def test_cached_free_blocks_are_labelled_by_eviction_order_and_legended_only_when_present():
+    cache = PagedKVCache(num_blocks=6, num_layers=1, block_size=2, kv_heads=1, head_dim=2,
+                         enable_prefix_caching=True)
+    assert not any("cached" in s for s in legend_labels(plots.plot_block_pool(cache)))
+    cache.add_sequence(0, [1, 2, 3, 4, 5])
+    cache.append_tokens(0, *kv(5), token_ids=[1, 2, 3, 4, 5])
+    cache.free_sequence(0)  # blocks holding [1, 2] and [3, 4] stay findable; [5] goes back on the stack
+    queue = list(cache.prefix_cache.free_queue)
+    fig = plots.plot_block_pool(cache)
+    assert "cached, free: 2 (e1 = evicted first)" in legend_labels(fig)
+    labels = {t.get_text(): t.get_position() for t in fig.axes[0].texts}
+    assert labels["e1"][0] == pytest.approx(queue[0] % 6 + 0.45)
+    assert to_hex(CACHED_COLOR) in fills_in_cell(fig, queue[0], 6)
+
+
+def test_histogram_legend_quotes_numpy_median():
+    import numpy as np
+
+    lens = [1, 2, 296, 297, 400, 500]  # an even count: the median, 296.5, is no element
+    fig = plots.plot_length_histogram(lens, max_tokens=512)
+    assert f"median = {np.median(lens):g}" == "median = 296.5"
+    assert "median = 296.5" in legend_labels(fig)
+
+
+def test_eviction_axis_starts_at_zero_and_marks_are_drawn():
+    fig = plots.plot_hit_rate_vs_pool([22, 70, 118], [0.24, 0.7, 0.73], [470, 130, 60],
+                                      marks={22: "2 running requests", 70: "+ 6 prompts"})
+    left, right = fig.axes
+    assert right.get_ylim()[0] == 0 and right.get_ylim()[1] >= 470
+    assert {t.get_text().strip() for t in left.texts} == {"2 running requests", "+ 6 prompts"}
