@@ -2,32 +2,29 @@
 
 Three pieces, the same three as nano-vllm's ``LLMEngine`` and vLLM's engine core:
 
-- the **scheduler** (``pagedlib.core.scheduler.Scheduler``, notebook 07, ``policy="paged"``) decides each step
-  which running requests decode, which waiting ones are admitted and prefilled (while the free blocks
-  allow), and which are preempted when a decode step needs more blocks than are free (their blocks are
-  freed, and they are recomputed from their tokens when readmitted);
+- the **scheduler** (``pagedlib.core.scheduler.Scheduler``, notebook 07, ``policy="paged"``) decides each
+  step which running requests decode, which waiting ones are admitted and prefilled (while the free blocks
+  allow), and which are preempted when a decode needs more blocks than are free (their blocks are freed;
+  they are recomputed from their tokens when readmitted);
 - the **model** (``PagedLlama``) runs the plan: one ``prefill`` call for the admitted requests, one
   batched ``decode`` call for the running ones;
 - the **engine** keeps each request's tokens, picks the next token (greedy: ``argmax``), and hands
   finished requests back to the scheduler, which frees their blocks.
 
-With ``enable_prefix_caching=True`` the cache finds full blocks again by their token ids (notebook 06):
-the scheduler looks each admitted request's tokens up and attaches the blocks found, and the model
-prefills only the tokens after them; every append carries its token ids.
-
-``generate`` is that loop until every request is done. ``add_request`` / ``step`` expose it one step at a
-time (notebook 08 watches the block tables between steps).
+With ``enable_prefix_caching=True`` the scheduler attaches the cached full blocks of each admitted
+request's tokens (notebook 06) and the model prefills only the tokens after them.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagedlib.checks import as_int
-from pagedlib.core.scheduler import Request, Scheduler
-from pagedlib.model import ATTENTION_BACKENDS, PagedLlama, token_list
+from pagedlib.checks import as_int, check_engine, check_engine_idle, token_list
+from pagedlib.core.scheduler import Request, Scheduler, StepPlan
+from pagedlib.model import PagedLlama, decode_kernel
 
 __all__ = ["Engine", "EngineStats", "StepOutput"]
 
@@ -61,49 +58,43 @@ class StepOutput(NamedTuple):
 
 
 class Engine:
-    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache`` of
-    ``num_blocks`` blocks of ``block_size`` tokens.
+    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``.
+
+    An engine is single-threaded, like nano-vllm's and vLLM's engine loops: one thread calls it at a
+    time (a second thread inside ``generate`` gets a ``RuntimeError``). A ``step()`` that raises midway
+    (a ``KeyboardInterrupt`` between the scheduler's plan and the forward pass, say) is not rolled back:
+    the engine refuses every later ``step``/``generate`` with a ``RuntimeError`` until ``reset()``
+    (``generate`` resets by itself before it re-raises).
 
     Args:
         model: the decoder (its dtype and device are the cache's).
-        num_blocks, block_size: the KV pool; the cache is ``engine.cache``.
-        attention: decode attention, ``"torch"`` (``paged_attention``) or ``"triton"`` (the fused kernel;
-            ``block_size`` must then be a power of two up to 128).
-        enable_prefix_caching: find the full blocks of a prompt's leading tokens that an earlier request
-            computed (in use or freed but kept) and attach them instead of prefilling those tokens again
-            (``PagedKVCache``'s prefix caching, notebook 06); ``engine.cache.prefix_cache_stats()`` counts
-            the hits.
+        num_blocks, block_size: the KV pool, ``engine.cache``.
+        attention: decode attention, ``"torch"`` (``paged_attention``) or ``"triton"`` (the fused kernel:
+            ``block_size`` a power of two up to 128, ``head_dim`` at most 256).
+        enable_prefix_caching: attach the full blocks of a prompt's leading tokens that an earlier request
+            computed instead of prefilling them again (notebook 06; ``engine.cache.prefix_cache_stats()``).
         max_num_seqs: most requests in the running batch.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16, attention: str = "torch",
                  enable_prefix_caching: bool = False, *, max_num_seqs: int = 256) -> None:
-        if not isinstance(model, PagedLlama):
-            raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
-                             f"got {type(model).__name__}")
-        num_blocks = as_int("num_blocks", num_blocks, minimum=1)
-        block_size = as_int("block_size", block_size, minimum=1)
-        if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
-        if attention == "triton" and (block_size > 128 or block_size & (block_size - 1)):
-            raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
-                             f"got {block_size}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        self.model = model
-        self.attention = attention
-        self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
+        num_blocks, block_size, self.max_num_seqs = check_engine(
+            model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
+        decode_kernel(attention, model.shape.head_dim)       # a head size the kernel cannot take: now
+        self.model, self.attention = model, attention
         self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = self._new_scheduler()
         self.tokens: dict[int, list[int]] = {}     # request id -> prompt + generated tokens
         self.prompt_lens: dict[int, int] = {}
         self.stats = EngineStats()
         self._next_id = 0
+        self.generating: int | None = None         # the thread inside generate()
+        self.in_step = False                       # True inside step(), and after one that raised
 
     @classmethod
     def from_hf(cls, hf_model: Any, num_blocks: int, block_size: int = 16, attention: str = "torch",
                 enable_prefix_caching: bool = False, **kwargs: Any) -> Engine:
-        """An engine on the weights of a ``transformers.LlamaForCausalLM`` (same dtype and device)."""
+        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes."""
         return cls(PagedLlama.from_hf(hf_model), num_blocks, block_size, attention, enable_prefix_caching,
                    **kwargs)
 
@@ -117,11 +108,9 @@ class Engine:
         """The first ``n`` tokens of a request (prompt, then generated): what the scheduler looks up."""
         return self.tokens[request.req_id][:n]
 
-    # ---------------------------------------------------------------------------------------------
-    # one request, one step
-
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
+        check_engine_idle(self)
         request, tokens = self._request("prompt", prompt, max_new_tokens)
         self._enqueue(request, tokens)
         return request.req_id
@@ -130,9 +119,11 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
-        """Run one scheduler step: a batched decode for the running requests and one prefill for those
-        just admitted (or readmitted after a preemption: prompt and generated tokens are recomputed);
-        requests that have all their tokens are finished and their blocks freed."""
+        """One scheduler step: a batched decode for the running requests, one prefill for those just
+        admitted (or readmitted after a preemption: prompt and generated tokens are recomputed); requests
+        that have all their tokens are finished and their blocks freed."""
+        check_engine_idle(self)
+        self.in_step = True                                         # until the step's results are in
         plan = self.scheduler.step()
         sampled: dict[int, int] = {}
         if plan.decode:
@@ -144,39 +135,35 @@ class Engine:
             ids = [r.req_id for r, _ in plan.prefill]
             found = [self.cache.seq_lens[i] for i in ids]          # tokens in the blocks the cache found
             todo = [self.tokens[i][n:] for i, n in zip(ids, found)]  # the rest: prefilled
-            assert [len(t) for t in todo] == [n for _, n in plan.prefill]
             logits = self.model.prefill(self.cache, ids, todo)
             sampled.update(zip(ids, logits.argmax(-1).tolist()))
             self.stats.prefill_tokens += sum(map(len, todo))
             self.stats.cached_tokens += sum(found)
-        self._account(plan)
         for i, token in sampled.items():
             self.tokens[i].append(token)
-        self.stats.generated_tokens += len(sampled)
-        return StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
-                          [r.req_id for r in plan.preempted], self._retire(plan.scheduled))
+        out = StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
+                         [r.req_id for r in plan.preempted], self._retire(plan))
+        self.in_step = False
+        return out
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""
         return self.tokens[req_id][self.prompt_lens[req_id]:]
 
-    def _account(self, plan: Any) -> None:
+    def _retire(self, plan: StepPlan) -> list[int]:
+        """Count the step, then finish the requests that have all their tokens (freeing their blocks)."""
         s = self.stats
         s.steps += 1
+        s.generated_tokens += len(plan.scheduled)
         s.decode_tokens += len(plan.decode)
         s.preemptions += len(plan.preempted)
         s.peak_blocks = max(s.peak_blocks, self.cache.num_used_blocks)
         s.peak_running = max(s.peak_running, len(plan.scheduled))
-
-    def _retire(self, scheduled: list[Request]) -> list[int]:
-        done = [r for r in scheduled if self.scheduler.generated[r.req_id] == r.output_len]
+        done = [r for r in plan.scheduled if self.scheduler.generated[r.req_id] == r.output_len]
         for r in done:
-            self.scheduler.finish(r)                                    # frees its blocks
-            self.stats.finished.append(r.req_id)
+            self.scheduler.finish(r)
+            s.finished.append(r.req_id)
         return [r.req_id for r in done]
-
-    # ---------------------------------------------------------------------------------------------
-    # many requests
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  progress: bool | None = None) -> list[list[int]]:
@@ -184,10 +171,12 @@ class Engine:
         stop), in the order of ``prompts``.
 
         Every prompt is checked before any work starts: ``ValueError`` for an empty prompt, a token id
-        outside the vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold (its
-        prompt plus ``max_new_tokens - 1`` generated tokens must fit in the blocks). ``progress``: a
-        tqdm bar (default: from ``PROGRESS_MIN_TOKENS`` new tokens on).
+        outside the vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold: its prompt
+        plus ``max_new_tokens - 1`` generated tokens must fit in the blocks less the scheduler's
+        free-block watermark (1% of them, rounded down; vLLM's default). ``progress``: a tqdm bar
+        (default: from ``PROGRESS_MIN_TOKENS`` new tokens on).
         """
+        check_engine_idle(self)
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
         max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -195,20 +184,22 @@ class Engine:
             raise ValueError("the engine still has unfinished requests (from add_request): step() them "
                              "to completion first")
         requests = [self._request(f"prompts[{i}]", p, max_new_tokens, i) for i, p in enumerate(prompts)]
-        for request, tokens in requests:
-            self._enqueue(request, tokens)
-        total = len(requests) * max_new_tokens
-        show = total >= PROGRESS_MIN_TOKENS if progress is None else bool(progress)
+        self.generating = threading.get_ident()
         try:
-            self._drain(total, show)
+            for request, tokens in requests:
+                self._enqueue(request, tokens)
+            self._drain(len(requests) * max_new_tokens, progress)
         except BaseException:
             self.reset()
             raise
+        finally:
+            self.generating = None
         return [self._collect(r.req_id) for r, _ in requests]
 
-    def _drain(self, total: int, show: bool) -> None:
+    def _drain(self, total: int, progress: bool | None) -> None:
         from tqdm.auto import tqdm
 
+        show = total >= PROGRESS_MIN_TOKENS if progress is None else bool(progress)
         with tqdm(total=total, disable=not show, desc="generate", unit="tok") as bar:
             while self.scheduler.has_unfinished:
                 before = self.stats.generated_tokens
@@ -232,6 +223,7 @@ class Engine:
         self.scheduler = self._new_scheduler()
         self.tokens.clear()
         self.prompt_lens.clear()
+        self.in_step = False
 
     def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int,
                  offset: int = 0) -> tuple[Request, list[int]]:
@@ -241,15 +233,13 @@ class Engine:
             raise ValueError(f"{name} is empty: a prompt needs at least one token")
         max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
         request = Request(self._next_id + offset, 0, len(tokens), max_new_tokens)
-        nb, bs = self.cache.num_blocks, self.cache.block_size
-        if request.max_kv_len > nb * bs:
+        nb, bs, mark = self.cache.num_blocks, self.cache.block_size, self.scheduler.watermark_blocks
+        if request.max_kv_len > (nb - mark) * bs:
+            held = f" less the watermark of {mark} (1% kept free)" if mark else ""
             raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} needs "
                              f"{request.max_kv_len} token slots (the prompt and every new token but the "
-                             f"last), more than the pool of {nb} blocks x {bs} = {nb * bs} can ever hold")
-        try:
-            self.scheduler.check(request)        # the scheduler's own limits (its free-block watermark)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+                             f"last), more than the pool of {nb} blocks{held} x {bs} = {(nb - mark) * bs} "
+                             f"can ever hold")
         return request, tokens
 
     def _enqueue(self, request: Request, tokens: list[int]) -> None:
