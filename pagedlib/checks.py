@@ -61,8 +61,8 @@ def check_hf_config(config: Any) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv = config.num_key_value_heads or config.num_attention_heads
     if head_dim % 2 or config.num_attention_heads % kv:
-        raise ValueError(f"PagedLlama needs an even head_dim (rotary pairs) and num_attention_heads a multiple "
-                         f"of num_key_value_heads, the config has {head_dim}, {config.num_attention_heads}, {kv}")
+        raise ValueError(f"PagedLlama needs an even head_dim and num_attention_heads a multiple of "
+                         f"num_key_value_heads, got {head_dim}, {config.num_attention_heads}, {kv}")
 
 
 def check_hf_model(hf_model: Any) -> None:
@@ -99,15 +99,16 @@ def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
 
 def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str,
                decode: bool) -> tuple[list[Any], list[list[int]]]:
-    """Everything a ``prefill``/``decode`` call takes, before anything changes; token ids as ints."""
+    """What ``prefill`` (``prompts``) or ``decode`` (one token each) takes, before anything changes."""
     check_attention(attention)
+    check_model_dtype(model.dtype)
     s = model.shape
     geometry = (cache.num_layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
     want = (s.num_layers, s.num_kv_heads, s.head_dim, model.dtype, model.device)
     if geometry != want:
         raise ValueError(f"cache (layers, kv_heads, head_dim, dtype, device) = {geometry} does not match "
                          f"the model's {want}")
-    seq_ids = list(seq_ids)
+    seq_ids, prompts = list(seq_ids), [[t] for t in prompts] if decode else prompts
     prompts = [token_list(f"tokens of sequence {i}", p, s.vocab_size) for i, p in enumerate(prompts)]
     if len(seq_ids) != len(prompts):
         raise ValueError(f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists")

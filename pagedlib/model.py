@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlib.checks import check_attention, check_hf_config, check_hf_model, check_model_dtype, check_step
-from pagedlib.checks import ceil_div
+from pagedlib import checks
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.kernels.attention import paged_attention, paged_prefill_attention
 
@@ -55,7 +54,7 @@ class LlamaShape:
     @classmethod
     def from_hf(cls, config: Any) -> LlamaShape:
         """Read a transformers config; ``ValueError`` naming a field this model does not implement."""
-        check_hf_config(config)
+        checks.check_hf_config(config)
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             vocab_size=config.vocab_size,
@@ -128,7 +127,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def decode_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor]:
     """The batched decode attention: ``paged_attention`` (``"torch"``) or the fused Triton kernel
     (``"triton"``; triton is an optional dependency, Linux only, so it is imported only when asked)."""
-    check_attention(attention)
+    checks.check_attention(attention)
     if attention == "torch":
         return paged_attention
     from pagedlib.kernels import triton_decode
@@ -219,7 +218,7 @@ class PagedLlama(nn.Module):
                 device: torch.device | str | None = None) -> PagedLlama:
         """Copy the weights of a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (without a
         sliding window); by default in its dtype (fp32, fp16 or bf16) and on its device."""
-        check_hf_model(hf_model)
+        checks.check_hf_model(hf_model)
         first = next(hf_model.parameters())
         return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
                                    device=device or first.device)
@@ -230,7 +229,7 @@ class PagedLlama(nn.Module):
         """Build from a config and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes and a
         missing tied ``lm_head.weight`` are fine); ``ValueError`` naming unknown or missing weights."""
         shape = LlamaShape.from_hf(config)
-        check_model_dtype(dtype)
+        checks.check_model_dtype(dtype)
         model = cls(shape)
         state = {k.removeprefix("model."): v for k, v in state_dict.items() if "rotary_emb" not in k}
         if shape.tie_word_embeddings and "embed_tokens.weight" in state:
@@ -268,7 +267,7 @@ class PagedLlama(nn.Module):
             ``OutOfBlocksError`` (nothing changed) when the pool cannot hold every prompt. Should the
             forward pass itself fail, the sequences keep their reserved slots: free them.
         """
-        seq_ids, prompts = check_step(self, cache, seq_ids, prompts, attention, decode=False)
+        seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
         _check_room(cache, seq_ids, prompts)
         starts = [cache.seq_lens[s] for s in seq_ids]
         for s, p in zip(seq_ids, prompts):
@@ -287,7 +286,7 @@ class PagedLlama(nn.Module):
             ``OutOfBlocksError`` (nothing changed) when a sequence needs a block and none is free. Should
             the forward pass itself fail, the sequences keep their reserved slots: free them.
         """
-        seq_ids, prompts = check_step(self, cache, seq_ids, [[t] for t in tokens], attention, decode=True)
+        seq_ids, prompts = checks.check_step(self, cache, seq_ids, tokens, attention, decode=True)
         attend = decode_kernel(attention, self.shape.head_dim)      # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
         cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)),
@@ -332,6 +331,7 @@ class PagedLlama(nn.Module):
 def _check_room(cache: PagedKVCache, seq_ids: list[Hashable], prompts: list[list[int]]) -> None:
     """``OutOfBlocksError`` before any append unless the free blocks hold every prompt."""
     bs = cache.block_size
-    needed = sum(ceil_div(cache.seq_lens[s] + len(p), bs) - len(cache.tables[s]) for s, p in zip(seq_ids, prompts))
+    needed = sum(checks.ceil_div(cache.seq_lens[s] + len(p), bs) - len(cache.tables[s])
+                 for s, p in zip(seq_ids, prompts))
     if needed > cache.num_free_blocks:
         raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")

@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing m
 
 import pytest
 import torch
-from helpers import hf_greedy, oracle_prompts, snapshot, assert_unchanged, tiny_llama
+from helpers import assert_unchanged, hf_greedy, oracle_prompts, snapshot, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.engine import Engine
