@@ -1,22 +1,18 @@
-"""Argument checks: the shared primitives (``as_int``, ``ceil_div``) and those of the model and engine.
-
-A hostile caller passes bools for ints, numpy scalars, floats that look like ints, huge sizes. Every
-public function turns its integer arguments into plain Python ints at the boundary, so that later
-arithmetic cannot wrap around (numpy ``int32`` does) and every error names the argument it is about.
+"""Argument checks, behind the logic: the shared primitives ``as_int`` and ``ceil_div``, and the checks of
+``PagedLlama`` and ``Engine``. Each names the argument it refuses; none changes anything.
 """
 
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_MODELS", "as_int", "ceil_div", "check_engine", "check_engine_idle", "check_hf_config",
-           "check_hf_model", "check_model_dtype", "check_step", "token_list"]
+__all__ = ["SUPPORTED_MODELS", "as_int", "ceil_div", "check_engine", "check_hf_config", "check_hf_model",
+           "check_step", "token_list"]
 
 #: model_type -> the transformers class ``PagedLlama.from_hf`` loads: each proven token-equal by a test
 SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -47,22 +43,28 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def refuse(*checks: tuple[object, str]) -> None:
+    """``ValueError`` with the message of the first ``(condition, message)`` whose condition holds."""
+    for bad, message in checks:
+        if bad:
+            raise ValueError(message)
+
+
 def check_hf_config(config: Any) -> None:
-    """``ValueError`` naming the first field of a transformers config whose computation PagedLlama lacks."""
+    """Refuse, by name, a config field whose computation PagedLlama lacks."""
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODELS:
-        raise ValueError(f"PagedLlama supports model_type in {sorted(SUPPORTED_MODELS)} only (Llama, Mistral "
-                         f"without a sliding window), the config has model_type={kind!r}")
+        raise ValueError(f"PagedLlama supports model_type in {sorted(SUPPORTED_MODELS)} only (Mistral: "
+                         f"with no sliding window), the config has model_type={kind!r}")
     got = {k: getattr(config, k, want) for k, want in _FIELDS.items()}
     got["rope_type"] = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    for name, want in _FIELDS.items():
-        if got[name] != want:
-            raise ValueError(f"PagedLlama supports {name}={want!r} only, the config has {got[name]!r}")
+    refuse(*((got[k] != v, f"PagedLlama supports {k}={v!r} only, the config has {got[k]!r}")
+             for k, v in _FIELDS.items()))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = config.num_key_value_heads or config.num_attention_heads
-    if head_dim % 2 or config.num_attention_heads % kv:
+    heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if head_dim % 2 or heads % kv:
         raise ValueError(f"PagedLlama needs an even head_dim and num_attention_heads a multiple of "
-                         f"num_key_value_heads, got {head_dim}, {config.num_attention_heads}, {kv}")
+                         f"num_key_value_heads, got {head_dim}, {heads}, {kv}")
 
 
 def check_hf_model(hf_model: Any) -> None:
@@ -82,18 +84,15 @@ def check_model_dtype(dtype: object) -> None:
 def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
     """``tokens`` (ints, numpy ints, a 1-D integer tensor or numpy array) as ints in ``[0, vocab_size)``."""
     if isinstance(tokens, (torch.Tensor, np.ndarray)):
-        integer = tokens.dtype.kind in "iu" if isinstance(tokens, np.ndarray) else not (
-            tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool)
-        if tokens.ndim != 1 or not integer:
-            raise ValueError(f"{name} must be a 1-D integer tensor or array, got {tokens.dtype} "
-                             f"{list(tokens.shape)}")
+        kind = str(tokens.dtype).removeprefix("torch.")
+        if tokens.ndim != 1 or not kind.startswith(("int", "uint")):
+            raise ValueError(f"{name} must be a 1-D integer tensor or array, got {kind} {list(tokens.shape)}")
         tokens = tokens.tolist()
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise ValueError(f"{name} must be a list of token ids, got {type(tokens).__name__}")
     out = [as_int(name, t) for t in tokens]
-    for t in out:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
+    refuse(*((not 0 <= t < vocab_size, f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
+             for t in out))
     return out
 
 
@@ -103,33 +102,26 @@ def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], att
     check_attention(attention)
     check_model_dtype(model.dtype)
     s = model.shape
-    geometry = (cache.num_layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
+    got = (cache.num_layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
     want = (s.num_layers, s.num_kv_heads, s.head_dim, model.dtype, model.device)
-    if geometry != want:
-        raise ValueError(f"cache (layers, kv_heads, head_dim, dtype, device) = {geometry} does not match "
-                         f"the model's {want}")
     seq_ids, prompts = list(seq_ids), [[t] for t in prompts] if decode else prompts
+    refuse((got != want, f"cache (layers, kv_heads, head_dim, dtype, device) = {got} does not match the "
+                         f"model's {want}"))
     prompts = [token_list(f"tokens of sequence {i}", p, s.vocab_size) for i, p in enumerate(prompts)]
-    if len(seq_ids) != len(prompts):
-        raise ValueError(f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists")
-    if len(set(seq_ids)) != len(seq_ids):
-        raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
-    if decode and not seq_ids:
-        raise ValueError("decode needs at least one sequence")
-    if any(not p for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
-    for sid in seq_ids:
-        if sid not in cache.seq_lens:
-            raise KeyError(f"sequence {sid!r} is not in the cache (add_sequence it first)")
+    refuse((len(seq_ids) != len(prompts), f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists"),
+           (len(set(seq_ids)) != len(seq_ids), f"seq_ids must be distinct, got {seq_ids}"),
+           (decode and not seq_ids, "decode needs at least one sequence"),
+           (not all(prompts), "every prompt must hold at least one token"))
+    if missing := [sid for sid in seq_ids if sid not in cache.seq_lens]:
+        raise KeyError(f"sequence {missing[0]!r} is not in the cache (add_sequence it first)")
     return seq_ids, prompts
 
 
 def check_attention(attention: object, block_size: int = 1) -> None:
-    if attention not in ("torch", "triton"):
-        raise ValueError(f"attention must be one of ('torch', 'triton'), got {attention!r}")
-    if attention == "triton" and (block_size > 128 or block_size & (block_size - 1)):
-        raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
-                         f"got {block_size}")
+    refuse((attention not in ("torch", "triton"), f"attention must be one of ('torch', 'triton'), got "
+                                                  f"{attention!r}"),
+           (attention == "triton" and (block_size > 128 or block_size & (block_size - 1)),
+            f"block_size must be a power of two from 1 to 128 for the Triton kernel, got {block_size}"))
 
 
 def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int, attention: str,
@@ -144,14 +136,3 @@ def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     return sizes[0], sizes[1], as_int("max_num_seqs", max_num_seqs, minimum=1)
-
-
-def check_engine_idle(engine: Any) -> None:
-    """An ``Engine`` is single-threaded: refuse a call while another thread is in ``generate``, or
-    after a ``step`` that raised midway (cheap detection, not a lock)."""
-    if engine.generating not in (None, threading.get_ident()):
-        raise RuntimeError("another thread is inside this engine's generate(): an Engine is single-threaded "
-                           "(give each thread its own engine, or serialise the calls)")
-    if engine.in_step:
-        raise RuntimeError("the engine's last step() raised midway (or another thread is inside step(): an "
-                           "Engine is single-threaded): call reset() before using it again")

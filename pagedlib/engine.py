@@ -1,18 +1,12 @@
 """``Engine``: greedy generation for many prompts at once through the paged cache (notebook 08).
 
-Three pieces, the same three as nano-vllm's ``LLMEngine`` and vLLM's engine core:
-
-- the **scheduler** (``pagedlib.core.scheduler.Scheduler``, notebook 07, ``policy="paged"``) decides each
-  step which running requests decode, which waiting ones are admitted and prefilled (while the free blocks
-  allow), and which are preempted when a decode needs more blocks than are free (their blocks are freed;
-  they are recomputed from their tokens when readmitted);
-- the **model** (``PagedLlama``) runs the plan: one ``prefill`` call for the admitted requests, one
-  batched ``decode`` call for the running ones;
-- the **engine** keeps each request's tokens, picks the next token (greedy: ``argmax``), and hands
-  finished requests back to the scheduler, which frees their blocks.
-
-With ``enable_prefix_caching=True`` the scheduler attaches the cached full blocks of each admitted
-request's tokens (notebook 06) and the model prefills only the tokens after them.
+The same three pieces as nano-vllm's ``LLMEngine`` and vLLM's engine core: the **scheduler** (notebook 07,
+``policy="paged"``) plans each step (decode the running requests, admit and prefill waiting ones while the
+free blocks allow, preempt the newest when a decode needs more blocks than are free: they are recomputed
+when readmitted); the **model** (``PagedLlama``) runs the plan, one ``prefill`` call and one batched
+``decode`` call; the **engine** keeps each request's tokens, picks the next one (``argmax``) and hands
+finished requests back to the scheduler, which frees their blocks. With ``enable_prefix_caching=True``
+an admitted request attaches the cached full blocks of its tokens (notebook 06) and prefills the rest.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagedlib.checks import as_int, check_engine, check_engine_idle, token_list
+from pagedlib.checks import as_int, check_engine, token_list
 from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.model import PagedLlama, decode_kernel
 
@@ -60,11 +54,10 @@ class StepOutput(NamedTuple):
 class Engine:
     """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``.
 
-    An engine is single-threaded, like nano-vllm's and vLLM's engine loops: one thread calls it at a
-    time (a second thread inside ``generate`` gets a ``RuntimeError``). A ``step()`` that raises midway
-    (a ``KeyboardInterrupt`` between the scheduler's plan and the forward pass, say) is not rolled back:
-    the engine refuses every later ``step``/``generate`` with a ``RuntimeError`` until ``reset()``
-    (``generate`` resets by itself before it re-raises).
+    Single-threaded, like nano-vllm's and vLLM's engine loops: a call from a second thread while one is
+    inside gets a ``RuntimeError``. A ``step()`` that raises midway (a ``KeyboardInterrupt`` between the
+    scheduler's plan and the forward pass, say) is not rolled back: every later call gets a
+    ``RuntimeError`` until ``reset()`` (``generate`` resets by itself before it re-raises).
 
     Args:
         model: the decoder (its dtype and device are the cache's).
@@ -101,16 +94,22 @@ class Engine:
     def _new_scheduler(self) -> Scheduler:
         capacity = self.cache.num_blocks * self.cache.block_size
         caching = self.cache.prefix_cache is not None
+        token_ids = (lambda r, n: self.tokens[r.req_id][:n]) if caching else None   # prompt + generated
         return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs,
-                         max_model_len=capacity + 1, token_ids=self._token_ids if caching else None)
+                         max_model_len=capacity + 1, token_ids=token_ids)
 
-    def _token_ids(self, request: Request, n: int) -> list[int]:
-        """The first ``n`` tokens of a request (prompt, then generated): what the scheduler looks up."""
-        return self.tokens[request.req_id][:n]
+    def _check_idle(self) -> None:
+        """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
+        if self.generating not in (None, threading.get_ident()):
+            raise RuntimeError("another thread is inside this engine's generate(): an Engine is "
+                               "single-threaded (give each thread its own engine, or serialise the calls)")
+        if self.in_step:
+            raise RuntimeError("the engine's last step() raised midway (or another thread is inside step(): "
+                               "an Engine is single-threaded): call reset() before using it again")
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
-        check_engine_idle(self)
+        self._check_idle()
         request, tokens = self._request("prompt", prompt, max_new_tokens)
         self._enqueue(request, tokens)
         return request.req_id
@@ -122,7 +121,7 @@ class Engine:
         """One scheduler step: a batched decode for the running requests, one prefill for those just
         admitted (or readmitted after a preemption: prompt and generated tokens are recomputed); requests
         that have all their tokens are finished and their blocks freed."""
-        check_engine_idle(self)
+        self._check_idle()
         self.in_step = True                                         # until the step's results are in
         plan = self.scheduler.step()
         sampled: dict[int, int] = {}
@@ -168,15 +167,14 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  progress: bool | None = None) -> list[list[int]]:
         """Greedy continuation of every prompt: ``max_new_tokens`` new tokens each (no end-of-sequence
-        stop), in the order of ``prompts``.
+        stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
 
-        Every prompt is checked before any work starts: ``ValueError`` for an empty prompt, a token id
-        outside the vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold: its prompt
-        plus ``max_new_tokens - 1`` generated tokens must fit in the blocks less the scheduler's
-        free-block watermark (1% of them, rounded down; vLLM's default). ``progress``: a tqdm bar
-        (default: from ``PROGRESS_MIN_TOKENS`` new tokens on).
+        Every prompt is checked before any work: ``ValueError`` for an empty prompt, a token id outside the
+        vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold: its prompt plus
+        ``max_new_tokens - 1`` tokens must fit in the blocks less the scheduler's free-block watermark
+        (1% of them, rounded down: vLLM's default).
         """
-        check_engine_idle(self)
+        self._check_idle()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
         max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -212,9 +210,8 @@ class Engine:
         return out
 
     def reset(self) -> None:
-        """Drop every request and free every block (after an error, or to start over). With prefix
-        caching the cache is rebuilt empty: a block registered by an interrupted prefill may hold
-        placeholder K/V, and must never be found."""
+        """Drop every request and free every block. With prefix caching the cache is rebuilt empty: a block
+        registered by an interrupted prefill may hold placeholder K/V, and must never be found."""
         for seq_id in list(self.cache.seq_lens):
             self.cache.free_sequence(seq_id)
         if self.cache.prefix_cache is not None:

@@ -1,22 +1,15 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
-Llama's architecture: token embedding, ``num_layers`` pre-norm blocks (RMSNorm -> grouped-query attention
-with rotary embeddings -> residual; RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and a linear head,
-with the parameter names of Hugging Face's ``LlamaForCausalLM``. ``from_hf`` loads only what computes
-exactly this (``checks.SUPPORTED_MODELS``: Llama, and Mistral without a sliding window, each proven
-token-equal to ``transformers`` by a test) and refuses any other model or config field with a
-``ValueError`` naming it.
+Llama's architecture with Hugging Face's ``LlamaForCausalLM`` parameter names. ``from_hf`` loads only what
+computes exactly this (``checks.SUPPORTED_MODELS``: Llama, and Mistral with no sliding window, each proven
+token-equal to ``transformers`` by a test) and refuses anything else with a ``ValueError`` naming it.
 
-One forward pass is a *step*: some new tokens for some sequences, run as vLLM's model runner does:
-
-1. **Reserve slots.** The cache appends placeholder K/V for the new tokens, which pops the blocks they
-   need and gives every token a slot ``(block, offset)``: vLLM's ``slot_mapping``.
-2. **Per layer:** project q, k, v, rotate q and k, write k and v at the reserved slots (vLLM's
-   ``reshape_and_cache``), then attend through the block table: ``paged_prefill_attention`` for a
-   prompt's tokens, ``paged_attention`` (or the Triton kernel) for a batch of decode tokens.
-
-Step 1 exists because layer ``l``'s K/V are known only after layer ``l - 1`` ran, while the cache's append
-methods take every layer at once.
+A forward pass is a *step*, some new tokens for some sequences, run as vLLM's model runner does: first
+**reserve** a slot ``(block, offset)`` for every new token (vLLM's ``slot_mapping``: the cache appends
+placeholder K/V, which pops the blocks); then, per layer, project q, k, v, rotate q and k, **write** k and
+v at those slots (vLLM's ``reshape_and_cache``) and **attend** through the block table. Reserving comes
+first because layer ``l``'s K/V exist only after layer ``l - 1`` ran, while the cache's appends take every
+layer at once.
 """
 
 from __future__ import annotations
@@ -57,30 +50,21 @@ class LlamaShape:
         checks.check_hf_config(config)
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 @dataclass
 class Step:
-    """The ``T`` new tokens of one forward pass over ``B`` sequences, and where their K/V go.
-
-    Attributes:
-        seq_ids: the ``B`` sequences; spans: ``(start, end)`` of each one's tokens in the flat arrays.
-        tokens, positions: int64 ``[T]`` token ids and their positions in their sequences.
-        blocks, offsets: int64 ``[T]`` reserved slot of every token (vLLM's ``slot_mapping``, split).
-        block_tables: int32 ``[B, max_blocks]``; seq_lens: int32 ``[B]`` lengths after this step.
-        decode_attention: the batched kernel of a decode step; ``None`` for a prefill.
-    """
+    """The ``T`` new tokens of one forward pass over ``B`` sequences (``spans``: each one's ``(start, end)``
+    in the flat int64 ``[T]`` arrays), their slots (``blocks``, ``offsets``), the int32 ``block_tables``
+    ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` after the step, and the decode kernel (``None``: prefill)."""
 
     seq_ids: list[Hashable]
     spans: list[tuple[int, int]]
@@ -258,15 +242,11 @@ class PagedLlama(nn.Module):
     def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 *, attention: str = "torch") -> torch.Tensor:
         """Append ``prompts[i]`` (>= 1 token) to live sequence ``seq_ids[i]``, attending causally over all
-        the sequence holds (a chunk after earlier or prefix-cached tokens works too). ``attention`` is
-        accepted for symmetry: a prefill always uses ``paged_prefill_attention``.
+        it holds (after earlier or prefix-cached tokens too; always ``paged_prefill_attention``).
 
-        Returns:
-            ``[batch, vocab_size]`` logits after each prompt's last token.
-        Raises:
-            ``OutOfBlocksError`` (nothing changed) when the pool cannot hold every prompt. Should the
-            forward pass itself fail, the sequences keep their reserved slots: free them.
-        """
+        Returns ``[batch, vocab_size]`` logits after each prompt's last token. ``OutOfBlocksError`` (nothing
+        changed) when the pool cannot hold every prompt; should the forward pass fail, the sequences keep
+        their reserved slots: free them."""
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
         _check_room(cache, seq_ids, prompts)
         starts = [cache.seq_lens[s] for s in seq_ids]
@@ -277,15 +257,11 @@ class PagedLlama(nn.Module):
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], tokens: Sequence[int],
                *, attention: str = "torch") -> torch.Tensor:
-        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]`` in one batched step, attending
-        with ``paged_attention`` (``attention="torch"``) or the fused kernel (``"triton"``).
+        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]`` in one batched step, attending with
+        ``paged_attention`` (``attention="torch"``) or the fused kernel (``"triton"``).
 
-        Returns:
-            ``[batch, vocab_size]`` logits after each new token.
-        Raises:
-            ``OutOfBlocksError`` (nothing changed) when a sequence needs a block and none is free. Should
-            the forward pass itself fail, the sequences keep their reserved slots: free them.
-        """
+        Returns ``[batch, vocab_size]`` logits after each new token. ``OutOfBlocksError`` (nothing changed)
+        when a sequence needs a block and none is free; should the forward pass fail, free the sequences."""
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, tokens, attention, decode=True)
         attend = decode_kernel(attention, self.shape.head_dim)      # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
@@ -295,8 +271,7 @@ class PagedLlama(nn.Module):
 
     @staticmethod
     def _placeholder(cache: PagedKVCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero K and V ``[num_layers, n, kv_heads, head_dim]``: appended to reserve slots, then overwritten
-        layer by layer."""
+        """Zero K and V ``[num_layers, n, kv_heads, head_dim]``: appended to reserve slots."""
         z = torch.zeros(cache.num_layers, n, cache.kv_heads, cache.head_dim, dtype=cache.dtype,
                         device=cache.device)
         return z, z
