@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_MODELS", "as_int", "ceil_div", "check_engine", "check_hf_config", "check_hf_model",
-           "check_step", "token_list"]
+__all__ = ["SUPPORTED_MODELS", "as_int", "ceil_div", "check_engine", "check_generate", "check_hf_config",
+           "check_hf_model", "check_step", "check_weights", "token_list"]
 
 #: model_type -> the transformers class ``PagedLlama.from_hf`` loads: each proven token-equal by a test
 SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -75,6 +75,11 @@ def check_hf_model(hf_model: Any) -> None:
         raise ValueError(f"PagedLlama.from_hf loads a {want} (a causal LM with its head), got a {got}")
 
 
+def check_weights(missing: list[str], unexpected: list[str]) -> None:
+    refuse((missing or unexpected, f"not a Llama state_dict: missing {missing[:4]}, unexpected "
+                                   f"{unexpected[:4]}"))
+
+
 def check_model_dtype(dtype: object) -> None:
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"PagedLlama runs in {', '.join(map(str, MODEL_DTYPES))} (what attention takes), "
@@ -122,6 +127,16 @@ def check_attention(attention: object, block_size: int = 1) -> None:
                                                   f"{attention!r}"),
            (attention == "triton" and (block_size > 128 or block_size & (block_size - 1)),
             f"block_size must be a power of two from 1 to 128 for the Triton kernel, got {block_size}"))
+
+
+def check_generate(prompts: object, max_new_tokens: object, pending: bool) -> int:
+    """``Engine.generate``'s arguments (the engine checks each prompt); ``max_new_tokens`` as an int."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
+    refuse((pending, "the engine still has unfinished requests (from add_request): step() them to completion "
+                     "first"))
+    return max_new_tokens
 
 
 def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int, attention: str,

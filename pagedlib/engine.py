@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagedlib.checks import as_int, check_engine, token_list
+from pagedlib.checks import as_int, check_engine, check_generate, token_list
 from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.model import PagedLlama, decode_kernel
 
@@ -175,12 +175,7 @@ class Engine:
         (1% of them, rounded down: vLLM's default).
         """
         self._check_idle()
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
-        if self.scheduler.has_unfinished:
-            raise ValueError("the engine still has unfinished requests (from add_request): step() them "
-                             "to completion first")
+        max_new_tokens = check_generate(prompts, max_new_tokens, pending=self.scheduler.has_unfinished)
         requests = [self._request(f"prompts[{i}]", p, max_new_tokens, i) for i, p in enumerate(prompts)]
         self.generating = threading.get_ident()
         try:

@@ -218,9 +218,7 @@ class PagedLlama(nn.Module):
         state = {k.removeprefix("model."): v for k, v in state_dict.items() if "rotary_emb" not in k}
         if shape.tie_word_embeddings and "embed_tokens.weight" in state:
             state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"not a Llama state_dict: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        checks.check_weights(*model.load_state_dict(state, strict=False))     # missing, unexpected
         return model.to(dtype=dtype, device=device).eval().requires_grad_(False)
 
     @property
