@@ -23,6 +23,7 @@ from pagedlib.model import PagedLlama, decode_kernel
 __all__ = ["Engine", "EngineStats", "StepOutput"]
 
 PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
+WATERMARK = 0.01  # share of the blocks admission keeps free for running requests to grow into (vLLM's)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Engine:
         decode_kernel(attention, model.shape.head_dim)       # a head size the kernel cannot take: now
         self.model, self.attention = model, attention
         self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.watermark_blocks = int(WATERMARK * num_blocks)       # the scheduler's rounding
         self.scheduler = self._new_scheduler()
         self.tokens: dict[int, list[int]] = {}     # request id -> prompt + generated tokens
         self.prompt_lens: dict[int, int] = {}
@@ -95,7 +97,7 @@ class Engine:
         capacity = self.cache.num_blocks * self.cache.block_size
         caching = self.cache.prefix_cache is not None
         token_ids = (lambda r, n: self.tokens[r.req_id][:n]) if caching else None   # prompt + generated
-        return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs,
+        return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs, watermark=WATERMARK,
                          max_model_len=capacity + 1, token_ids=token_ids)
 
     def _check_idle(self) -> None:
@@ -225,7 +227,7 @@ class Engine:
             raise ValueError(f"{name} is empty: a prompt needs at least one token")
         max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
         request = Request(self._next_id + offset, 0, len(tokens), max_new_tokens)
-        nb, bs, mark = self.cache.num_blocks, self.cache.block_size, self.scheduler.watermark_blocks
+        nb, bs, mark = self.cache.num_blocks, self.cache.block_size, self.watermark_blocks
         if request.max_kv_len > (nb - mark) * bs:
             held = f" less the watermark of {mark} (1% kept free)" if mark else ""
             raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} needs "

@@ -327,7 +327,7 @@ def test_a_lone_request_may_fill_the_pool_up_to_the_documented_watermark(model):
     """With 100 blocks the scheduler keeps 1 free (1%, vLLM's default watermark): a request needing all 100
     is refused with a message that says so; one needing 99 runs."""
     engine = Engine(model, num_blocks=100, block_size=1)
-    assert engine.scheduler.watermark_blocks == 1
+    assert engine.watermark_blocks == 1
     with pytest.raises(ValueError, match=r"100 token slots .* pool of 100 blocks less the watermark of 1 "):
         engine.generate([list(range(100))], 1)
     assert len(engine.generate([list(range(99))], 1)[0]) == 1
