@@ -74,7 +74,7 @@ class Engine:
                  enable_prefix_caching: bool = False, *, max_num_seqs: int = 256) -> None:
         num_blocks, block_size, self.max_num_seqs = check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
-        decode_kernel(attention, model.shape.head_dim)       # a head size the kernel cannot take: now
+        decode_kernel(attention, model.shape.head_dim)       # refuses a head size the kernel cannot take
         self.model, self.attention = model, attention
         self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.watermark_blocks = int(WATERMARK * num_blocks)       # the scheduler's rounding
@@ -83,8 +83,8 @@ class Engine:
         self.prompt_lens: dict[int, int] = {}
         self.stats = EngineStats()
         self._next_id = 0
-        self.generating: int | None = None         # the thread inside generate()
-        self.in_step = False                       # True inside step(), and after one that raised
+        self._generating: int | None = None        # the thread inside generate()
+        self._in_step = False                      # True inside step(), and after one that raised
 
     @classmethod
     def from_hf(cls, hf_model: Any, num_blocks: int, block_size: int = 16, attention: str = "torch",
@@ -102,10 +102,10 @@ class Engine:
 
     def _check_idle(self) -> None:
         """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
-        if self.generating not in (None, threading.get_ident()):
+        if self._generating not in (None, threading.get_ident()):
             raise RuntimeError("another thread is inside this engine's generate(): an Engine is "
                                "single-threaded (give each thread its own engine, or serialise the calls)")
-        if self.in_step:
+        if self._in_step:
             raise RuntimeError("the engine's last step() raised midway (or another thread is inside step(): "
                                "an Engine is single-threaded): call reset() before using it again")
 
@@ -124,7 +124,7 @@ class Engine:
         admitted (or readmitted after a preemption: prompt and generated tokens are recomputed); requests
         that have all their tokens are finished and their blocks freed."""
         self._check_idle()
-        self.in_step = True                                         # until the step's results are in
+        self._in_step = True                                        # until the results are in
         plan = self.scheduler.step()
         sampled: dict[int, int] = {}
         if plan.decode:
@@ -144,7 +144,7 @@ class Engine:
             self.tokens[i].append(token)
         out = StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
                          [r.req_id for r in plan.preempted], self._retire(plan))
-        self.in_step = False
+        self._in_step = False
         return out
 
     def output(self, req_id: int) -> list[int]:
@@ -179,7 +179,7 @@ class Engine:
         self._check_idle()
         max_new_tokens = check_generate(prompts, max_new_tokens, pending=self.scheduler.has_unfinished)
         requests = [self._request(f"prompts[{i}]", p, max_new_tokens, i) for i, p in enumerate(prompts)]
-        self.generating = threading.get_ident()
+        self._generating = threading.get_ident()
         try:
             for request, tokens in requests:
                 self._enqueue(request, tokens)
@@ -188,7 +188,7 @@ class Engine:
             self.reset()
             raise
         finally:
-            self.generating = None
+            self._generating = None
         return [self._collect(r.req_id) for r, _ in requests]
 
     def _drain(self, total: int, progress: bool | None) -> None:
@@ -217,7 +217,7 @@ class Engine:
         self.scheduler = self._new_scheduler()
         self.tokens.clear()
         self.prompt_lens.clear()
-        self.in_step = False
+        self._in_step = False
 
     def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int,
                  offset: int = 0) -> tuple[Request, list[int]]:
