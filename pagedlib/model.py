@@ -200,8 +200,8 @@ class PagedLlama(nn.Module):
     @classmethod
     def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None) -> PagedLlama:
-        """Copy the weights of a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (without a
-        sliding window); by default in its dtype (fp32, fp16 or bf16) and on its device."""
+        """Copy the weights of a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (no sliding
+        window), by default in its dtype (fp32, fp16, bf16) and device; else ``ValueError`` naming why."""
         checks.check_hf_model(hf_model)
         first = next(hf_model.parameters())
         return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
