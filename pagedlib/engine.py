@@ -1,37 +1,29 @@
 """``Engine``: greedy generation for many prompts at once through the paged cache (notebook 08).
 
-Three pieces, the same three as nano-vllm's ``LLMEngine`` and vLLM's engine core:
-
-- the **scheduler** (``pagedlib.core.scheduler.Scheduler``, notebook 07, ``policy="paged"``) decides each step
-  which running requests decode, which waiting ones are admitted and prefilled (while the free blocks
-  allow), and which are preempted when a decode step needs more blocks than are free (their blocks are
-  freed, and they are recomputed from their tokens when readmitted);
-- the **model** (``PagedLlama``) runs the plan: one ``prefill`` call for the admitted requests, one
-  batched ``decode`` call for the running ones;
-- the **engine** keeps each request's tokens, picks the next token (greedy: ``argmax``), and hands
-  finished requests back to the scheduler, which frees their blocks.
-
-With ``enable_prefix_caching=True`` the cache finds full blocks again by their token ids (notebook 06):
-the scheduler looks each admitted request's tokens up and attaches the blocks found, and the model
-prefills only the tokens after them; every append carries its token ids.
-
-``generate`` is that loop until every request is done. ``add_request`` / ``step`` expose it one step at a
-time (notebook 08 watches the block tables between steps).
+The same three pieces as nano-vllm's ``LLMEngine`` and vLLM's engine core: the **scheduler** (notebook 07,
+``policy="paged"``) plans each step (decode the running requests, admit and prefill waiting ones while the
+free blocks allow, preempt the newest when a decode needs more blocks than are free: they are recomputed
+when readmitted); the **model** (``PagedLlama``) runs the plan, one ``prefill`` call and one batched
+``decode`` call; the **engine** keeps each request's tokens, picks the next one (``argmax``) and hands
+finished requests back to the scheduler, which frees their blocks. With ``enable_prefix_caching=True``
+an admitted request attaches the cached full blocks of its tokens (notebook 06) and prefills the rest.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagedlib.checks import as_int
-from pagedlib.core.scheduler import Request, Scheduler
-from pagedlib.model import ATTENTION_BACKENDS, PagedLlama, token_list
+from pagedlib.checks import as_int, check_engine, check_generate, token_list
+from pagedlib.core.scheduler import Request, Scheduler, StepPlan
+from pagedlib.model import PagedLlama, decode_kernel
 
 __all__ = ["Engine", "EngineStats", "StepOutput"]
 
 PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
+WATERMARK = 0.01  # share of the blocks admission keeps free for running requests to grow into (vLLM's)
 
 
 @dataclass
@@ -61,67 +53,65 @@ class StepOutput(NamedTuple):
 
 
 class Engine:
-    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache`` of
-    ``num_blocks`` blocks of ``block_size`` tokens.
+    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``.
+
+    Single-threaded, like nano-vllm's and vLLM's engine loops: a call from a second thread while one is
+    inside gets a ``RuntimeError``. A ``step()`` that raises midway (a ``KeyboardInterrupt`` between the
+    scheduler's plan and the forward pass, say) is not rolled back: every later call gets a
+    ``RuntimeError`` until ``reset()`` (``generate`` resets by itself before it re-raises).
 
     Args:
         model: the decoder (its dtype and device are the cache's).
-        num_blocks, block_size: the KV pool; the cache is ``engine.cache``.
-        attention: decode attention, ``"torch"`` (``paged_attention``) or ``"triton"`` (the fused kernel;
-            ``block_size`` must then be a power of two up to 128).
-        enable_prefix_caching: find the full blocks of a prompt's leading tokens that an earlier request
-            computed (in use or freed but kept) and attach them instead of prefilling those tokens again
-            (``PagedKVCache``'s prefix caching, notebook 06); ``engine.cache.prefix_cache_stats()`` counts
-            the hits.
+        num_blocks, block_size: the KV pool, ``engine.cache``.
+        attention: decode attention, ``"torch"`` (``paged_attention``) or ``"triton"`` (the fused kernel:
+            ``block_size`` a power of two up to 128, ``head_dim`` at most 256).
+        enable_prefix_caching: attach the full blocks of a prompt's leading tokens that an earlier request
+            computed instead of prefilling them again (notebook 06; ``engine.cache.prefix_cache_stats()``).
         max_num_seqs: most requests in the running batch.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16, attention: str = "torch",
                  enable_prefix_caching: bool = False, *, max_num_seqs: int = 256) -> None:
-        if not isinstance(model, PagedLlama):
-            raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
-                             f"got {type(model).__name__}")
-        num_blocks = as_int("num_blocks", num_blocks, minimum=1)
-        block_size = as_int("block_size", block_size, minimum=1)
-        if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
-        if attention == "triton" and (block_size > 128 or block_size & (block_size - 1)):
-            raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
-                             f"got {block_size}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        self.model = model
-        self.attention = attention
-        self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
+        num_blocks, block_size, self.max_num_seqs = check_engine(
+            model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
+        decode_kernel(attention, model.shape.head_dim)       # refuses a head size the kernel cannot take
+        self.model, self.attention = model, attention
         self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.watermark_blocks = int(WATERMARK * num_blocks)       # the scheduler's rounding
         self.scheduler = self._new_scheduler()
         self.tokens: dict[int, list[int]] = {}     # request id -> prompt + generated tokens
         self.prompt_lens: dict[int, int] = {}
         self.stats = EngineStats()
         self._next_id = 0
+        self._generating: int | None = None        # the thread inside generate()
+        self._in_step = False                      # True inside step(), and after one that raised
 
     @classmethod
     def from_hf(cls, hf_model: Any, num_blocks: int, block_size: int = 16, attention: str = "torch",
                 enable_prefix_caching: bool = False, **kwargs: Any) -> Engine:
-        """An engine on the weights of a ``transformers.LlamaForCausalLM`` (same dtype and device)."""
+        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes."""
         return cls(PagedLlama.from_hf(hf_model), num_blocks, block_size, attention, enable_prefix_caching,
                    **kwargs)
 
     def _new_scheduler(self) -> Scheduler:
         capacity = self.cache.num_blocks * self.cache.block_size
         caching = self.cache.prefix_cache is not None
-        return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs,
-                         max_model_len=capacity + 1, token_ids=self._token_ids if caching else None)
+        token_ids = (lambda r, n: self.tokens[r.req_id][:n]) if caching else None   # prompt + generated
+        return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs, watermark=WATERMARK,
+                         max_model_len=capacity + 1, token_ids=token_ids)
 
-    def _token_ids(self, request: Request, n: int) -> list[int]:
-        """The first ``n`` tokens of a request (prompt, then generated): what the scheduler looks up."""
-        return self.tokens[request.req_id][:n]
-
-    # ---------------------------------------------------------------------------------------------
-    # one request, one step
+    def _check_idle(self) -> None:
+        """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
+        if self._generating not in (None, threading.get_ident()):
+            raise RuntimeError("another thread is inside this engine's generate(): an Engine is "
+                               "single-threaded (give each thread its own engine, or serialise the calls)")
+        if self._in_step:
+            raise RuntimeError("the engine's last step() raised midway (or another thread is inside step(): "
+                               "an Engine is single-threaded): call reset() before using it again")
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
+        self._check_idle()
         request, tokens = self._request("prompt", prompt, max_new_tokens)
         self._enqueue(request, tokens)
         return request.req_id
@@ -130,9 +120,11 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
-        """Run one scheduler step: a batched decode for the running requests and one prefill for those
-        just admitted (or readmitted after a preemption: prompt and generated tokens are recomputed);
-        requests that have all their tokens are finished and their blocks freed."""
+        """One scheduler step: a batched decode for the running requests, one prefill for those just
+        admitted (or readmitted after a preemption: prompt and generated tokens are recomputed); requests
+        that have all their tokens are finished and their blocks freed."""
+        self._check_idle()
+        self._in_step = True                                        # until the results are in
         plan = self.scheduler.step()
         sampled: dict[int, int] = {}
         if plan.decode:
@@ -144,71 +136,65 @@ class Engine:
             ids = [r.req_id for r, _ in plan.prefill]
             found = [self.cache.seq_lens[i] for i in ids]          # tokens in the blocks the cache found
             todo = [self.tokens[i][n:] for i, n in zip(ids, found)]  # the rest: prefilled
-            assert [len(t) for t in todo] == [n for _, n in plan.prefill]
             logits = self.model.prefill(self.cache, ids, todo)
             sampled.update(zip(ids, logits.argmax(-1).tolist()))
             self.stats.prefill_tokens += sum(map(len, todo))
             self.stats.cached_tokens += sum(found)
-        self._account(plan)
         for i, token in sampled.items():
             self.tokens[i].append(token)
-        self.stats.generated_tokens += len(sampled)
-        return StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
-                          [r.req_id for r in plan.preempted], self._retire(plan.scheduled))
+        out = StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
+                         [r.req_id for r in plan.preempted], self._retire(plan))
+        self._in_step = False
+        return out
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""
         return self.tokens[req_id][self.prompt_lens[req_id]:]
 
-    def _account(self, plan: Any) -> None:
+    def _retire(self, plan: StepPlan) -> list[int]:
+        """Count the step, then finish the requests that have all their tokens (freeing their blocks)."""
         s = self.stats
         s.steps += 1
+        s.generated_tokens += len(plan.scheduled)
         s.decode_tokens += len(plan.decode)
         s.preemptions += len(plan.preempted)
         s.peak_blocks = max(s.peak_blocks, self.cache.num_used_blocks)
         s.peak_running = max(s.peak_running, len(plan.scheduled))
-
-    def _retire(self, scheduled: list[Request]) -> list[int]:
-        done = [r for r in scheduled if self.scheduler.generated[r.req_id] == r.output_len]
+        done = [r for r in plan.scheduled if self.scheduler.generated[r.req_id] == r.output_len]
         for r in done:
-            self.scheduler.finish(r)                                    # frees its blocks
-            self.stats.finished.append(r.req_id)
+            self.scheduler.finish(r)
+            s.finished.append(r.req_id)
         return [r.req_id for r in done]
-
-    # ---------------------------------------------------------------------------------------------
-    # many requests
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  progress: bool | None = None) -> list[list[int]]:
         """Greedy continuation of every prompt: ``max_new_tokens`` new tokens each (no end-of-sequence
-        stop), in the order of ``prompts``.
+        stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
 
-        Every prompt is checked before any work starts: ``ValueError`` for an empty prompt, a token id
-        outside the vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold (its
-        prompt plus ``max_new_tokens - 1`` generated tokens must fit in the blocks). ``progress``: a
-        tqdm bar (default: from ``PROGRESS_MIN_TOKENS`` new tokens on).
+        Every prompt is checked before any work: ``ValueError`` for an empty prompt, a token id outside the
+        vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold: its prompt plus
+        ``max_new_tokens - 1`` tokens must fit in the blocks less the scheduler's free-block watermark
+        (1% of them, rounded down: vLLM's default).
         """
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
-        if self.scheduler.has_unfinished:
-            raise ValueError("the engine still has unfinished requests (from add_request): step() them "
-                             "to completion first")
+        self._check_idle()
+        max_new_tokens = check_generate(prompts, max_new_tokens, pending=self.scheduler.has_unfinished)
         requests = [self._request(f"prompts[{i}]", p, max_new_tokens, i) for i, p in enumerate(prompts)]
-        for request, tokens in requests:
-            self._enqueue(request, tokens)
-        total = len(requests) * max_new_tokens
-        show = total >= PROGRESS_MIN_TOKENS if progress is None else bool(progress)
+        self._generating = threading.get_ident()
         try:
-            self._drain(total, show)
+            for request, tokens in requests:
+                self._enqueue(request, tokens)
+            self._drain(len(requests) * max_new_tokens, progress)
         except BaseException:
             self.reset()
             raise
+        finally:
+            self._generating = None
         return [self._collect(r.req_id) for r, _ in requests]
 
-    def _drain(self, total: int, show: bool) -> None:
+    def _drain(self, total: int, progress: bool | None) -> None:
         from tqdm.auto import tqdm
 
+        show = total >= PROGRESS_MIN_TOKENS if progress is None else bool(progress)
         with tqdm(total=total, disable=not show, desc="generate", unit="tok") as bar:
             while self.scheduler.has_unfinished:
                 before = self.stats.generated_tokens
@@ -221,9 +207,8 @@ class Engine:
         return out
 
     def reset(self) -> None:
-        """Drop every request and free every block (after an error, or to start over). With prefix
-        caching the cache is rebuilt empty: a block registered by an interrupted prefill may hold
-        placeholder K/V, and must never be found."""
+        """Drop every request and free every block. With prefix caching the cache is rebuilt empty: a block
+        registered by an interrupted prefill may hold placeholder K/V, and must never be found."""
         for seq_id in list(self.cache.seq_lens):
             self.cache.free_sequence(seq_id)
         if self.cache.prefix_cache is not None:
@@ -232,6 +217,7 @@ class Engine:
         self.scheduler = self._new_scheduler()
         self.tokens.clear()
         self.prompt_lens.clear()
+        self._in_step = False
 
     def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int,
                  offset: int = 0) -> tuple[Request, list[int]]:
@@ -241,15 +227,13 @@ class Engine:
             raise ValueError(f"{name} is empty: a prompt needs at least one token")
         max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
         request = Request(self._next_id + offset, 0, len(tokens), max_new_tokens)
-        nb, bs = self.cache.num_blocks, self.cache.block_size
-        if request.max_kv_len > nb * bs:
+        nb, bs, mark = self.cache.num_blocks, self.cache.block_size, self.watermark_blocks
+        if request.max_kv_len > (nb - mark) * bs:
+            held = f" less the watermark of {mark} (1% kept free)" if mark else ""
             raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} needs "
                              f"{request.max_kv_len} token slots (the prompt and every new token but the "
-                             f"last), more than the pool of {nb} blocks x {bs} = {nb * bs} can ever hold")
-        try:
-            self.scheduler.check(request)        # the scheduler's own limits (its free-block watermark)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+                             f"last), more than the pool of {nb} blocks{held} x {bs} = {(nb - mark) * bs} "
+                             f"can ever hold")
         return request, tokens
 
     def _enqueue(self, request: Request, tokens: list[int]) -> None:

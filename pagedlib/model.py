@@ -1,23 +1,15 @@
-"""A small Llama-style decoder whose attention runs on the paged KV cache (notebook 08).
+"""A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
-The architecture is Llama's: token embedding, then ``num_layers`` pre-norm blocks (RMSNorm -> grouped-query
-attention with rotary position embeddings -> residual; RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm
-and a linear head. Parameter names follow Hugging Face's ``LlamaForCausalLM`` so that ``PagedLlama.from_hf``
-loads its ``state_dict`` as it is.
+Llama's architecture with Hugging Face's ``LlamaForCausalLM`` parameter names. ``from_hf`` loads only what
+computes exactly this (``checks.SUPPORTED_MODELS``: Llama, and Mistral with no sliding window, each proven
+token-equal to ``transformers`` by a test) and refuses anything else with a ``ValueError`` naming it.
 
-What is paged is the K/V side of attention. One forward pass handles a *step*: some new tokens for some
-sequences. It runs the way vLLM's model runner does:
-
-1. **Reserve slots.** The cache appends placeholder K/V for the new tokens (``append_tokens`` for a prompt,
-   ``append_batch`` for one decode token per sequence). That pops the blocks the tokens need and gives every
-   token a slot ``(block, offset)``: vLLM's ``slot_mapping``.
-2. **Per layer:** project q, k, v, rotate q and k by their positions, write k and v into this layer's pools at
-   the reserved slots (vLLM's ``reshape_and_cache``), then attend through the block table:
-   ``paged_prefill_attention`` for the tokens of a prompt, ``paged_attention`` (or the Triton kernel) for a
-   batch of decode tokens.
-
-Writing per layer is why step 1 exists: layer ``l``'s K/V are known only after layer ``l - 1`` ran, but the
-cache's append methods take every layer at once.
+A forward pass is a *step*, some new tokens for some sequences, run as vLLM's model runner does: first
+**reserve** a slot ``(block, offset)`` for every new token (vLLM's ``slot_mapping``: the cache appends
+placeholder K/V, which pops the blocks); then, per layer, project q, k, v, rotate q and k, **write** k and
+v at those slots (vLLM's ``reshape_and_cache``) and **attend** through the block table. Reserving comes
+first because layer ``l``'s K/V exist only after layer ``l - 1`` ran, while the cache's appends take every
+layer at once.
 """
 
 from __future__ import annotations
@@ -30,13 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlib.checks import as_int, ceil_div
+from pagedlib import checks
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.kernels.attention import paged_attention, paged_prefill_attention
 
-__all__ = ["ATTENTION_BACKENDS", "LlamaShape", "PagedLlama", "Step", "token_list"]
-
-ATTENTION_BACKENDS = ("torch", "triton")
+__all__ = ["LlamaShape", "PagedLlama", "Step", "decode_kernel"]
 
 
 @dataclass(frozen=True)
@@ -56,48 +46,25 @@ class LlamaShape:
 
     @classmethod
     def from_hf(cls, config: Any) -> LlamaShape:
-        """Read a ``transformers.LlamaConfig``; ``ValueError`` for features this model does not implement."""
+        """Read a transformers config; ``ValueError`` naming a field this model does not implement."""
+        checks.check_hf_config(config)
         rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        unsupported = {
-            "hidden_act": (config.hidden_act, "silu"),
-            "rope_type": (rope_type, "default"),
-            "attention_bias": (getattr(config, "attention_bias", False), False),
-            "mlp_bias": (getattr(config, "mlp_bias", False), False),
-        }
-        for name, (got, want) in unsupported.items():
-            if got != want:
-                raise ValueError(f"PagedLlama supports {name}={want!r} only, the config has {got!r}")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=head_dim,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 @dataclass
 class Step:
-    """The tokens of one forward pass and where their K/V go.
-
-    ``T`` is the number of new tokens over all sequences; ``B`` the number of sequences.
-
-    Attributes:
-        seq_ids: the ``B`` sequences, in order.
-        spans: ``(start, end)`` of each sequence's tokens in the flat ``[T]`` arrays.
-        tokens, positions: int64 ``[T]`` token ids and their positions in their sequences.
-        blocks, offsets: int64 ``[T]`` reserved slot of every token (vLLM's ``slot_mapping``, split).
-        block_tables: int32 ``[B, max_blocks]``; seq_lens: int32 ``[B]`` lengths after this step.
-        decode_attention: for a decode step (one new token per sequence), the batched kernel
-            (``paged_attention`` or ``paged_attention_triton``); ``None`` for a prefill.
-    """
+    """The ``T`` new tokens of one forward pass over ``B`` sequences (``spans``: each one's ``(start, end)``
+    in the flat int64 ``[T]`` arrays), their slots (``blocks``, ``offsets``), the int32 ``block_tables``
+    ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` after the step, and the decode kernel (``None``: prefill)."""
 
     seq_ids: list[Hashable]
     spans: list[tuple[int, int]]
@@ -126,10 +93,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables for ``positions`` (int64 ``[T]``): ``cos``, ``sin`` each ``[T, head_dim]``.
-
-    Pair ``i`` of a head (dims ``i`` and ``i + head_dim/2``) turns by ``position * theta^(-2i/head_dim)``.
-    """
+    """Rotary tables ``cos``, ``sin`` ``[T, head_dim]`` for ``positions`` (int64 ``[T]``): dims ``i`` and
+    ``i + head_dim/2`` turn by ``position * theta^(-2i/head_dim)``."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]                    # [T, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)                                # [T, head_dim]
@@ -137,11 +102,24 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by ``cos``, ``sin`` ``[T, head_dim]`` (the half-split layout:
-    dim ``i`` pairs with dim ``i + head_dim/2``)."""
+    """Rotate ``x`` ``[T, heads, head_dim]`` by ``cos``, ``sin`` ``[T, head_dim]`` (half-split pairs)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)               # [T, heads, head_dim]
     return x * cos[:, None] + rotated * sin[:, None]
+
+
+def decode_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor]:
+    """The batched decode attention: ``paged_attention`` (``"torch"``) or the fused Triton kernel
+    (``"triton"``; triton is an optional dependency, Linux only, so it is imported only when asked)."""
+    checks.check_attention(attention)
+    if attention == "torch":
+        return paged_attention
+    from pagedlib.kernels import triton_decode
+
+    if head_dim > triton_decode.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {triton_decode.MAX_HEAD_DIM} for the Triton kernel, "
+                         f"the model has {head_dim}")
+    return triton_decode.paged_attention_triton
 
 
 class Attention(nn.Module):
@@ -175,14 +153,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
-def _decode_attention(attention: str) -> Callable[..., torch.Tensor]:
-    if attention == "triton":
-        from pagedlib.kernels.triton_decode import paged_attention_triton  # imports triton: only when asked
-
-        return paged_attention_triton
-    return paged_attention
-
-
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
@@ -213,15 +183,9 @@ class DecoderLayer(nn.Module):
 
 
 class PagedLlama(nn.Module):
-    """A Llama-style decoder that keeps its K/V in a ``PagedKVCache``.
-
-    Two entry points, both greedy-agnostic (they return logits; the caller picks tokens):
-
-    - ``prefill(cache, seq_ids, prompts)``: append whole prompts (or any run of new tokens) to sequences,
-      return the logits after the last token of each.
-    - ``decode(cache, seq_ids, tokens)``: append one token to each sequence in one batched step, return
-      the logits after it.
-    """
+    """A Llama decoder that keeps its K/V in a ``PagedKVCache``. ``prefill`` appends whole prompts (or
+    any run of new tokens) to sequences, ``decode`` one token to each in one batched step; both return
+    the logits after each sequence's last token (the caller picks the next token)."""
 
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
@@ -233,13 +197,12 @@ class PagedLlama(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    # ---------------------------------------------------------------------------------------------
-    # loading
-
     @classmethod
     def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None) -> PagedLlama:
-        """Copy the weights of a ``transformers.LlamaForCausalLM`` (default: its dtype and device)."""
+        """Copy the weights of a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (no sliding
+        window), by default in its dtype (fp32, fp16, bf16) and device; else ``ValueError`` naming why."""
+        checks.check_hf_model(hf_model)
         first = next(hf_model.parameters())
         return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
                                    device=device or first.device)
@@ -247,14 +210,15 @@ class PagedLlama(nn.Module):
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> PagedLlama:
-        """Build from a ``LlamaConfig`` and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes
-        and a missing tied ``lm_head.weight`` are fine). Unknown or missing weights raise."""
+        """Build from a config and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes and a
+        missing tied ``lm_head.weight`` are fine); ``ValueError`` naming unknown or missing weights."""
         shape = LlamaShape.from_hf(config)
+        checks.check_model_dtype(dtype)
         model = cls(shape)
         state = {k.removeprefix("model."): v for k, v in state_dict.items() if "rotary_emb" not in k}
-        if shape.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
-        model.load_state_dict(state, strict=True)
+        if shape.tie_word_embeddings and "embed_tokens.weight" in state:
+            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+        checks.check_weights(*model.load_state_dict(state, strict=False))     # missing, unexpected
         return model.to(dtype=dtype, device=device).eval().requires_grad_(False)
 
     @property
@@ -272,32 +236,17 @@ class PagedLlama(nn.Module):
         return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
                             dtype=self.dtype, device=self.device, enable_prefix_caching=enable_prefix_caching)
 
-    # ---------------------------------------------------------------------------------------------
-    # the two steps
-
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 *, attention: str = "torch") -> torch.Tensor:
-        """Append ``prompts[i]`` (>= 1 token each) to live sequence ``seq_ids[i]`` and run them through
-        the model; attention is causal over everything the sequence holds (a chunk after earlier tokens
-        works too: after the blocks a prefix-cache hit attached, only the rest of the prompt is passed).
-        Always ``paged_prefill_attention``: ``attention`` only picks the decode kernel. The token ids go
-        to the cache with the slots (a prefix cache registers full blocks by them).
+        """Append ``prompts[i]`` (>= 1 token) to live sequence ``seq_ids[i]``, attending causally over all
+        it holds (after earlier or prefix-cached tokens too; always ``paged_prefill_attention``).
 
-        Returns:
-            ``[batch, vocab_size]`` logits after each prompt's last token.
-        Raises:
-            ``OutOfBlocksError`` (nothing changed) when the pool cannot hold every prompt. Should the
-            forward pass itself fail, the sequences keep their reserved slots: free them.
-        """
-        seq_ids, prompts = self._check_step(cache, seq_ids, prompts, attention)
-        if any(not p for p in prompts):
-            raise ValueError("every prompt must hold at least one token")
-        bs = cache.block_size
-        needed = sum(ceil_div(cache.seq_lens[s] + len(p), bs) - len(cache.tables[s])
-                     for s, p in zip(seq_ids, prompts))
-        if needed > cache.num_free_blocks:
-            raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")
+        Returns ``[batch, vocab_size]`` logits after each prompt's last token. ``OutOfBlocksError`` (nothing
+        changed) when the pool cannot hold every prompt; should the forward pass fail, the sequences keep
+        their reserved slots: free them."""
+        seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
+        _check_room(cache, seq_ids, prompts)
         starts = [cache.seq_lens[s] for s in seq_ids]
         for s, p in zip(seq_ids, prompts):
             cache.append_tokens(s, *self._placeholder(cache, len(p)), token_ids=p)  # reserve the slots
@@ -306,53 +255,21 @@ class PagedLlama(nn.Module):
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], tokens: Sequence[int],
                *, attention: str = "torch") -> torch.Tensor:
-        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]`` in one batched step, attending
-        with ``paged_attention`` (``attention="torch"``) or the fused kernel (``"triton"``).
+        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]`` in one batched step, attending with
+        ``paged_attention`` (``attention="torch"``) or the fused kernel (``"triton"``).
 
-        Returns:
-            ``[batch, vocab_size]`` logits after each new token.
-        Raises:
-            ``OutOfBlocksError`` (nothing changed) when a sequence needs a block and none is free. Should
-            the forward pass itself fail, the sequences keep their reserved slots: free them.
-        """
-        seq_ids, prompts = self._check_step(cache, seq_ids, [[t] for t in tokens], attention)
-        if not seq_ids:
-            raise ValueError("decode needs at least one sequence")
-        attend = _decode_attention(attention)             # imports triton when asked: before any change
+        Returns ``[batch, vocab_size]`` logits after each new token. ``OutOfBlocksError`` (nothing changed)
+        when a sequence needs a block and none is free; should the forward pass fail, free the sequences."""
+        seq_ids, prompts = checks.check_step(self, cache, seq_ids, tokens, attention, decode=True)
+        attend = decode_kernel(attention, self.shape.head_dim)      # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
         cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)),
                            token_ids=[p[0] for p in prompts])                       # reserve the slots
         return self._forward(self._step(cache, seq_ids, starts, prompts, attend), cache)
 
-    # ---------------------------------------------------------------------------------------------
-    # helpers
-
-    def _check_step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
-                    attention: str) -> tuple[list[Hashable], list[list[int]]]:
-        """Validate everything before anything changes; token ids become plain ints."""
-        if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
-        s = self.shape
-        geometry = (cache.num_layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
-        want = (s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device)
-        if geometry != want:
-            raise ValueError(f"cache (layers, kv_heads, head_dim, dtype, device) = {geometry} does not match "
-                             f"the model's {want}")
-        seq_ids, prompts = list(seq_ids), [token_list(f"tokens of sequence {i}", p, s.vocab_size)
-                                           for i, p in enumerate(prompts)]
-        if len(seq_ids) != len(prompts):
-            raise ValueError(f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
-        for sid in seq_ids:
-            if sid not in cache.seq_lens:
-                raise KeyError(f"sequence {sid!r} is not in the cache (add_sequence it first)")
-        return seq_ids, prompts
-
     @staticmethod
     def _placeholder(cache: PagedKVCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero K and V ``[num_layers, n, kv_heads, head_dim]``: appended to reserve slots, then overwritten
-        layer by layer."""
+        """Zero K and V ``[num_layers, n, kv_heads, head_dim]``: appended to reserve slots."""
         z = torch.zeros(cache.num_layers, n, cache.kv_heads, cache.head_dim, dtype=cache.dtype,
                         device=cache.device)
         return z, z
@@ -384,19 +301,10 @@ class PagedLlama(nn.Module):
         return self.lm_head(self.norm(x[last]))                                        # [B, vocab]
 
 
-def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
-    """``tokens`` (a sequence of ints, numpy ints or a 1-D integer tensor) as a list of ints in
-    ``[0, vocab_size)``; ``ValueError`` naming ``name`` otherwise."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {tokens.dtype} {list(tokens.shape)}")
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise ValueError(f"{name} must be a list of token ids, got {type(tokens).__name__}")
-    out = []
-    for t in tokens:
-        t = as_int(name, t)
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
-        out.append(t)
-    return out
+def _check_room(cache: PagedKVCache, seq_ids: list[Hashable], prompts: list[list[int]]) -> None:
+    """``OutOfBlocksError`` before any append unless the free blocks hold every prompt."""
+    bs = cache.block_size
+    needed = sum(checks.ceil_div(cache.seq_lens[s] + len(p), bs) - len(cache.tables[s])
+                 for s, p in zip(seq_ids, prompts))
+    if needed > cache.num_free_blocks:
+        raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")

@@ -251,3 +251,84 @@ def test_an_error_mid_prefill_leaves_no_placeholder_block_to_find(model, shared,
     assert_idle(engine)
     assert engine.cache.prefix_cache_stats()["cached_blocks"] == 0
     assert engine.generate(prompts[:2], 4) == [w[:4] for w in want[:2]]
+
+
+# ------------------------------------------------------------------------------------------------------
+# an interrupted step, threads, numpy prompts, the watermark
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill"])
+def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypatch, where):
+    """A KeyboardInterrupt between the scheduler's plan and the forward pass: the engine says so on every
+    later call instead of generating 11 tokens where 12 were asked (or failing later); after ``reset()``
+    it is idle and generates exactly what transformers generates."""
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=32, block_size=4)
+    engine.add_request(prompts[4], 12)
+    engine.step()                                                        # request 0 prefilled
+    engine.add_request(prompts[7], 12)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, where, interrupted)                       # step 2 decodes 0, prefills 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    for call in (engine.step, lambda: engine.generate([[1, 2]], 3), lambda: engine.add_request([1], 2)):
+        with pytest.raises(RuntimeError, match=r"raised midway .* call reset\(\)"):
+            call()
+    engine.reset()
+    assert_idle(engine)
+    assert engine.generate([prompts[4], prompts[7]], 12) == [outs[4][0][:12], outs[7][0][:12]]
+
+
+def test_generate_from_a_second_thread_is_refused_while_the_first_runs(ref, model, monkeypatch):
+    import threading
+
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=64, block_size=8)
+    inside, release, result = threading.Event(), threading.Event(), {}
+
+    def slow_decode(*args, **kwargs):
+        inside.set()
+        release.wait(timeout=30)
+        return PagedLlama.decode(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "decode", slow_decode)
+    worker = threading.Thread(target=lambda: result.setdefault("out", engine.generate(prompts[:3], 6)))
+    worker.start()
+    assert inside.wait(timeout=30)
+    try:
+        for call in (lambda: engine.generate([[1, 2]], 3), engine.step, lambda: engine.add_request([1], 2)):
+            with pytest.raises(RuntimeError, match="single-threaded"):
+                call()
+    finally:
+        release.set()
+        worker.join(timeout=60)
+    assert result["out"] == [t[:6] for t, _ in outs[:3]]               # the first thread was not disturbed
+    assert_idle(engine)
+
+
+def test_numpy_prompts_are_token_lists(ref, model):
+    np = pytest.importorskip("numpy")
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=32, block_size=8)
+    arrays = [np.array(prompts[5]), np.array(prompts[9], dtype=np.int32), torch.tensor(prompts[11])]
+    assert engine.generate(arrays, 5) == [outs[i][0][:5] for i in (5, 9, 11)]
+    assert engine.add_request(np.array(prompts[5], dtype=np.uint16), 2) >= 0
+    for bad, match in [(np.array([1.0, 2.0]), "1-D integer"), (np.array([[1, 2]]), "1-D integer"),
+                       (np.array([1, 999]), "outside the vocabulary")]:
+        with pytest.raises(ValueError, match=match):
+            Engine(model, num_blocks=8).generate([bad], 2)
+
+
+def test_a_lone_request_may_fill_the_pool_up_to_the_documented_watermark(model):
+    """With 100 blocks the scheduler keeps 1 free (1%, vLLM's default watermark): a request needing all 100
+    is refused with a message that says so; one needing 99 runs."""
+    engine = Engine(model, num_blocks=100, block_size=1)
+    assert engine.watermark_blocks == 1
+    with pytest.raises(ValueError, match=r"100 token slots .* pool of 100 blocks less the watermark of 1 "):
+        engine.generate([list(range(100))], 1)
+    assert len(engine.generate([list(range(99))], 1)[0]) == 1
+    assert_idle(engine)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pagedlib.bench.__main__ import main
@@ -22,6 +23,27 @@ def test_generate_benchmark_runs_and_every_method_agrees(tmp_path, capsys):
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"engine", "hf_generate", "hf_generate_batch"}
     assert all(r["same_tokens"] == "yes" and r["tokens_per_s"] > 0 for r in rows.values())
-    assert rows["engine"]["speedup"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
+    assert rows["engine"]["speedup vs engine"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
     # the padded contiguous cache holds 5 rows of the longest prompt; the pool fits each request exactly
     assert rows["engine"]["kv_peak_MB"] <= rows["engine"]["kv_alloc_MB"] < rows["hf_generate"]["kv_alloc_MB"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-requests", "0"], "argument --num-requests"),
+    (["--vocab", "0"], "argument --vocab"),
+    (["--max-new-tokens", "-2"], "argument --max-new-tokens"),
+    (["--block-size", "0"], "argument --block-size"),
+    (["--heads", "two"], "argument --heads"),
+    (["--kv-heads", "3"], "--kv-heads 3 must divide --heads 8"),
+    (["--hidden", "100"], "--hidden 100 must be --heads 8 x an even head size"),
+    (["--hidden", "24"], "--hidden 24 must be --heads 8 x an even head size"),
+    (["--min-prompt", "50", "--max-prompt", "10"], "--max-prompt 10 is below --min-prompt 50"),
+])
+def test_bad_flags_are_usage_errors_before_any_work(flags, message, capsys, monkeypatch):
+    from pagedlib.bench import generate
+
+    monkeypatch.setattr(generate, "build", lambda *a: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage:" in err and message in err

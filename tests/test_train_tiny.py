@@ -26,8 +26,8 @@ from pagedlib.teach.train_tiny import (
     load_tiny_hf,
     save,
 )
+from pagedlib.teach.train_tiny import _loss as loss_on
 from pagedlib.teach.train_tiny import _lr as lr_at
-from pagedlib.teach.train_tiny import _windows as windows
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,8 @@ def test_the_model_is_trained(tiny):
     hf, _ = load_tiny_hf()
     data = torch.tensor(tok.encode(corpus()))
     held_out = data[int(len(data) * 0.95):]
-    x, y = windows(held_out, torch.tensor([0, 1000, 5000, 9000]), 128)
     with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss = loss_on(hf, held_out, torch.tensor([0, 1000, 5000, 9000]), 128)
     assert loss.item() < 0.5 * math.log(len(tok))
 
 
@@ -102,3 +101,19 @@ def test_save_then_load_round_trips(tmp_path):
 def test_missing_weights_say_how_to_make_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m pagedlib.teach.train_tiny"):
         load_tiny(tmp_path)
+
+
+def test_tokenizer_refuses_ids_outside_the_vocabulary():
+    tok = CharTokenizer("abc")
+    assert tok.decode([0, 2, 1]) == "acb"
+    for bad, match in [([-1], "outside the vocabulary"), ([3], "outside the vocabulary"), ([1.0], "int")]:
+        with pytest.raises(ValueError, match=match):
+            tok.decode(bad)
+
+
+def test_load_tiny_takes_a_str_path(tiny):
+    model, tok = load_tiny(str(TINY_DIR))
+    assert tok.chars == tiny[1].chars
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), tiny[0].state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="no tiny model"):
+        load_tiny_hf(str(TINY_DIR / "missing"))

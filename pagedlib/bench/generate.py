@@ -9,11 +9,12 @@ model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``Lla
 - ``hf_generate_batch`` transformers' paged continuous batching (``generate_batch``).
 
 ``tokens_per_s`` is new tokens over the best of ``--repeats`` wall-clock runs; ``speedup`` is the engine's
-time over the method's, measured in the same run ("x faster" than the engine: above 1 is faster). KV memory:
-``kv_alloc_MB`` is what the method set aside for K/V (the engine's and generate_batch's block pools; the
-padded contiguous cache for ``hf_generate``), ``kv_peak_MB`` what held tokens at the fullest moment (the
-engine's blocks in use; for ``hf_generate`` the whole padded cache). ``same_tokens`` compares each
-method's tokens with ``hf_generate`` one prompt at a time.
+time over the method's in the same run (``speedup vs engine``: above 1 is faster than the engine). KV
+memory: ``kv_alloc_MB`` is what the method set aside for K/V (the block pools of the engine and of
+generate_batch; the padded contiguous cache of ``hf_generate``), ``kv_peak_MB`` what held tokens at the
+fullest moment (the engine's blocks in use; all of ``hf_generate``'s padded cache; blank for
+generate_batch, which does not report its blocks in use). ``same_tokens`` compares each method's tokens
+with ``hf_generate`` one prompt at a time.
 """
 
 from __future__ import annotations
@@ -32,31 +33,40 @@ from pagedlib.bench.timing import (
     default_device,
     environment,
     num_threads,
+    positive_int,
     print_table,
+    speedup,
     time_fn,
     write_json,
 )
 from pagedlib.checks import ceil_div
 
-COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup", "kv_alloc_MB",
-           "kv_peak_MB", "same_tokens"]
+COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup vs engine",
+           "kv_alloc_MB", "kv_peak_MB", "same_tokens"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--min-prompt", type=int, default=8)
-    p.add_argument("--max-prompt", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
+    for flag, default in [("--num-requests", 32), ("--min-prompt", 8), ("--max-prompt", 128),
+                          ("--max-new-tokens", 64), ("--hidden", 256), ("--layers", 4), ("--heads", 8),
+                          ("--kv-heads", 4), ("--intermediate", 512), ("--vocab", 512), ("--block-size", 16)]:
+        p.add_argument(flag, type=positive_int, default=default, help="(default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
     add_run_arguments(p, repeats=3, repeats_help="timed runs per method (the best counts)")
+    p.set_defaults(usage_error=p.error)  # for check_flags: combinations are usage errors too
+
+
+def check_flags(args: argparse.Namespace, usage_error: Callable[[str], Any]) -> None:
+    """What one flag at a time cannot check, refused as a usage error (exit 2) before any work."""
+    if args.max_prompt < args.min_prompt:
+        usage_error(f"--max-prompt {args.max_prompt} is below --min-prompt {args.min_prompt}")
+    if args.heads % args.kv_heads:
+        usage_error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.hidden % args.heads or args.hidden // args.heads % 2:
+        usage_error(f"--hidden {args.hidden} must be --heads {args.heads} x an even head size (rotary pairs)")
+    triton = default_device(args.device) == "cuda"                     # then engine_triton runs too
+    if triton and (args.block_size & (args.block_size - 1) or args.block_size > 128):
+        usage_error(f"--block-size {args.block_size} must be a power of two up to 128 on CUDA (Triton)")
 
 
 def build(args: argparse.Namespace, device: str) -> tuple[Any, list[list[int]]]:
@@ -148,6 +158,7 @@ def reference_tokens(hf: Any, prompts: list[list[int]], new_tokens: int) -> list
 
 
 def main(args: argparse.Namespace) -> int:
+    check_flags(args, vars(args).pop("usage_error"))
     with num_threads(args.threads):
         return _run(args)
 
@@ -175,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
                      "tokens_per_s": new_tokens / seconds, **memory,
                      "same_tokens": "yes" if tokens == want else "NO"})
     for row in rows:
-        row["speedup"] = rows[0]["seconds"] / row["seconds"]
+        row["speedup vs engine"] = speedup(rows[0]["seconds"], row["seconds"])
     title = (f"greedy generation on {device}, {args.dtype}: {len(prompts)} prompts of {args.min_prompt}-"
              f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
              f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}")

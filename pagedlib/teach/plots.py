@@ -517,35 +517,40 @@ def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
 
 
 def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") -> Figure:
-    """Blocks held per request after each engine step, stacked (free blocks on top in grey); a cross
-    marks a step where a request was preempted, a dot a step where one finished.
+    """Blocks held per request after each engine step, stacked, free blocks above them in grey; in the row
+    above the pool a dot marks the step a request finished, a cross the step it was preempted.
 
     Args:
         history: one dict per step: ``blocks`` (request id -> blocks held), ``preempted`` and
             ``finished`` (lists of request ids), as ``Engine.step`` and ``engine.cache.tables`` give them.
         num_blocks: the pool size (the height of every bar).
     """
+    from matplotlib.lines import Line2D
+
     fig, ax = _new_figure(8.0, 3.2)
     ids = sorted({r for h in history for r in h["blocks"]} | {r for h in history for r in h["finished"]})
-    steps = range(len(history))
-    bottom = [0] * len(history)
-    for r in ids:
-        held = [h["blocks"].get(r, 0) for h in history]
-        ax.bar(steps, held, bottom=bottom, width=1.0, color=owner_color(r), label=f"request {r}")
+    steps, bottom = range(len(history)), [0] * len(history)
+    for r in ids + ["free"]:
+        held = [num_blocks - b if r == "free" else h["blocks"].get(r, 0) for h, b in zip(history, bottom)]
+        ax.bar(steps, held, bottom=bottom, width=1.0, linewidth=0, label="free" if r == "free" else
+               f"request {r}", color=FREE_COLOR if r == "free" else owner_color(r))
         bottom = [b + n for b, n in zip(bottom, held)]
-    ax.bar(steps, [num_blocks - b for b in bottom], bottom=bottom, width=1.0, color=FREE_COLOR, label="free")
-    top = num_blocks / 20                                         # marker rows above the bars
+    top = num_blocks / 16                                         # the marker row above the pool
     for t, h in enumerate(history):
         for r in h["finished"]:
             ax.plot(t, num_blocks + top, marker="o", color=owner_color(r), ms=5)
         for r in h["preempted"]:
             ax.plot(t, num_blocks + 2.2 * top, marker="x", color=owner_color(r), ms=7, mew=2)
+    marks = [Line2D([], [], ls="", marker=m, color="0.3", label=text, ms=6)
+             for m, text in (("o", "finished (in its colour)"), ("x", "preempted (in its colour)"))]
     ax.set_xlabel("engine step")
-    ax.set_ylabel("KV blocks")
+    ax.set_ylabel("KV blocks held")
+    ax.set_yticks(range(0, num_blocks + 1, ceil_div(num_blocks, 8)))      # whole blocks only
     ax.set_ylim(0, num_blocks + 3 * top)
     ax.set_xlim(-0.5, len(history) - 0.5)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
-    ax.set_title(title or "Blocks held per request (x: preempted, o: finished)", fontsize=9)
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + marks, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False, fontsize=8)
+    ax.set_title(title or "Blocks held per request after each step", fontsize=9)
     return fig
 
 

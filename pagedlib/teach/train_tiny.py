@@ -1,17 +1,7 @@
-"""A tiny character-level Llama trained on Python's own documentation, so notebook 08 can show readable text.
-
-The corpus is ``pydoc_data.topics`` (the help texts behind ``help("assert")`` etc., shipped with the standard
-library: no download). The model is a Hugging Face ``LlamaForCausalLM`` with a small ``LlamaConfig``: exactly
-the architecture ``PagedLlama`` implements, so it loads like the oracle model of the tests.
-
-Made by this command (seeded, one thread; it took 418 s on this course's shared 2-core machine while other
-jobs ran; ``training.json`` records the run)::
-
-    nice -n 10 python -m pagedlib.teach.train_tiny
-
-It writes ``pagedlib/data/tiny_char_llama/``: ``model.safetensors`` (weights), ``config.json`` (the
-``LlamaConfig`` plus what the training run measured) and ``vocab.json`` (the characters). Tests and notebooks
-only *load* these files (``load_tiny``); nothing trains at test time.
+"""A tiny character-level Llama trained on Python's own documentation (``pydoc_data.topics``, shipped with
+the standard library), so notebook 08 shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny``
+(seeded, one thread; 418 s on a shared 2-core CPU) writes ``pagedlib/data/tiny_char_llama/``: the weights,
+``config.json``, ``vocab.json`` and ``training.json`` (the run). Tests and notebooks only load them.
 """
 
 from __future__ import annotations
@@ -22,12 +12,14 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedlib.checks import token_list
 from pagedlib.model import PagedLlama
 
 __all__ = ["CharTokenizer", "TINY_DIR", "TrainConfig", "corpus", "load_tiny", "load_tiny_hf", "train"]
@@ -55,13 +47,13 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; ``ValueError`` naming the first character outside the vocabulary."""
         text = text.translate(_ASCII)
-        for c in text:
-            if c not in self.index:
-                raise ValueError(f"character {c!r} is not in the vocabulary")
+        if (bad := next((c for c in text if c not in self.index), None)) is not None:
+            raise ValueError(f"character {bad!r} is not in the vocabulary")
         return [self.index[c] for c in text]
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; ``ValueError`` for an id outside ``[0, len(self))`` (no wrap-around)."""
+        return "".join(self.chars[i] for i in token_list("ids", ids, len(self.chars)))
 
 
 def corpus() -> str:
@@ -73,7 +65,7 @@ def corpus() -> str:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The model's sizes and the training schedule (every run with the same values is the same run)."""
+    """The model's sizes and the training schedule (the same values make the same run)."""
 
     hidden_size: int = 128
     num_layers: int = 3
@@ -89,15 +81,6 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1            # on 2 shared cores a second thread made each step ~5x slower (measured)
 
-    def llama_config(self, vocab_size: int) -> Any:
-        from transformers import LlamaConfig
-
-        return LlamaConfig(vocab_size=vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                           max_position_embeddings=self.max_positions, bos_token_id=None, eos_token_id=None,
-                           pad_token_id=None, tie_word_embeddings=False)
-
 
 def _lr(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of ``cfg.lr``."""
@@ -107,38 +90,35 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-character targets ``[len(starts), context]`` cut from ``data`` ``[N]``."""
-    idx = starts[:, None] + torch.arange(context + 1)                               # [batch, context + 1]
-    chunk = data[idx]
-    return chunk[:, :-1], chunk[:, 1:]
-
-
-def _loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=x).logits                                               # [batch, context, V]
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+def _loss(model: Any, data: torch.Tensor, starts: torch.Tensor, context: int) -> torch.Tensor:
+    """Mean next-character cross-entropy (nats) over the windows ``data[start : start + context + 1]``."""
+    chunk = data[starts[:, None] + torch.arange(context + 1)]                       # [batch, context + 1]
+    logits = model(input_ids=chunk[:, :-1]).logits                                   # [batch, context, V]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
 
 
 def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[str, Any]]:
-    """Train a ``LlamaForCausalLM`` on ``corpus()`` (the last 5% held out). Returns the model, the
-    tokenizer and what the run measured (losses in nats per character, seconds)."""
-    from transformers import LlamaForCausalLM
+    """Train a ``LlamaForCausalLM`` on ``corpus()`` (the last 5% held out): the model, the tokenizer and
+    what the run measured (losses in nats per character, seconds)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     tok = CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)))             # 96 characters
     data = torch.tensor(tok.encode(corpus()))
-    cut = int(len(data) * 0.95)
-    train_data, val_data = data[:cut], data[cut:]
-    model = LlamaForCausalLM(cfg.llama_config(len(tok))).train()
+    train_data, val_data = data[:int(len(data) * 0.95)], data[int(len(data) * 0.95):]
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    g = torch.Generator().manual_seed(cfg.seed)
-    start = time.perf_counter()
+    g, start = torch.Generator().manual_seed(cfg.seed), time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
         starts = torch.randint(0, len(train_data) - cfg.context - 1, (cfg.batch,), generator=g)
-        loss = _loss(model, *_windows(train_data, starts, cfg.context))
+        loss = _loss(model, train_data, starts, cfg.context)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -146,20 +126,18 @@ def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[
         if step % 50 == 0 or step == cfg.steps - 1:
             log(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - start:6.1f} s")
     seconds = time.perf_counter() - start
-    model.eval()
     with torch.no_grad():
         val_starts = torch.arange(0, len(val_data) - cfg.context - 1, cfg.context)[:64]
-        val_loss = _loss(model, *_windows(val_data, val_starts, cfg.context)).item()
-    stats = {"train_seconds": round(seconds, 1), "final_train_loss": round(loss.item(), 4),
-             "val_loss": round(val_loss, 4), "uniform_loss": round(math.log(len(tok)), 4)}
-    return model, tok, stats
+        val_loss = _loss(model.eval(), val_data, val_starts, cfg.context).item()
+    return model, tok, {"train_seconds": round(seconds, 1), "final_train_loss": round(loss.item(), 4),
+                        "val_loss": round(val_loss, 4), "uniform_loss": round(math.log(len(tok)), 4)}
 
 
-def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any], out: Path) -> None:
-    """Write ``model.safetensors``, ``config.json`` (the ``LlamaConfig``), ``vocab.json`` and
-    ``training.json`` (the command, the schedule and the measurements) into ``out``."""
+def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any], out: Path | str) -> None:
+    """Write the weights, ``config.json``, ``vocab.json`` and ``training.json`` (the run) into ``out``."""
     from safetensors.torch import save_file
 
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
     model.config.to_json_file(str(out / "config.json"))
@@ -169,36 +147,27 @@ def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any]
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor], CharTokenizer]:
+def load_tiny_hf(path: Path | str = TINY_DIR) -> tuple[Any, CharTokenizer]:
+    """The committed weights in a ``transformers.LlamaForCausalLM`` (eval mode), and the tokenizer."""
     from safetensors.torch import load_file
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
 
+    path = Path(path)
     if not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"no tiny model under {path}: run `{COMMAND}` to make it")
-    config = LlamaConfig.from_json_file(str(path / "config.json"))
-    chars = json.loads((path / "vocab.json").read_text())["chars"]
-    return config, load_file(str(path / "model.safetensors")), CharTokenizer(chars)
+    model = LlamaForCausalLM(LlamaConfig.from_json_file(str(path / "config.json")))
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model.eval(), CharTokenizer(json.loads((path / "vocab.json").read_text())["chars"])
 
 
-def load_tiny(path: Path = TINY_DIR, device: torch.device | str = "cpu") -> tuple[PagedLlama, CharTokenizer]:
+def load_tiny(path: Path | str = TINY_DIR, device: str = "cpu") -> tuple[PagedLlama, CharTokenizer]:
     """The committed tiny model as a ``PagedLlama`` (float32) and its tokenizer."""
-    config, state, tok = _read(path)
-    return PagedLlama.from_state_dict(config, state, device=device), tok
-
-
-def load_tiny_hf(path: Path = TINY_DIR) -> tuple[Any, CharTokenizer]:
-    """The same weights in a ``transformers.LlamaForCausalLM`` (eval mode), and the tokenizer."""
-    from transformers import LlamaForCausalLM
-
-    config, state, tok = _read(path)
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(state)
-    return model.eval(), tok
+    hf, tok = load_tiny_hf(path)
+    return PagedLlama.from_hf(hf, device=device), tok
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedlib.teach.train_tiny", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pagedlib.teach.train_tiny", description=__doc__)
     parser.add_argument("--out", type=Path, default=TINY_DIR, help="output folder (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps")
     args = parser.parse_args(argv)

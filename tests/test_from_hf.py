@@ -1,0 +1,141 @@
+"""``from_hf`` accepts exactly what ``PagedLlama`` computes: Llama, and Mistral without a sliding window, each
+proven token-equal to ``transformers``' ``generate`` here; every other family, a bare decoder without its
+head, a config field it does not implement, float64 weights and (for the Triton kernel) a head size the
+kernel cannot take are refused when the model or engine is built, with a ``ValueError`` naming them.
+
+The models are tiny, seeded and built from local configs (no download)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
+
+import pytest
+import torch
+from helpers import assert_unchanged, hf_greedy, oracle_prompts, snapshot, tiny_llama
+
+import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
+from pagedlib.engine import Engine
+from pagedlib.model import LlamaShape, PagedLlama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    """A seeded random ``<family>ForCausalLM`` of tiny sizes (``initializer_range=0.25``: varied tokens)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{family}Config")(**{**SIZES, "initializer_range": 0.25, **overrides})
+    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+
+
+def assert_generates_like_hf(hf, new_tokens: int = 12) -> None:
+    prompts = [p for p in oracle_prompts(hf.config.vocab_size) if len(p) in (1, 7, 8, 9, 17, 33)]
+    engine = Engine.from_hf(hf, num_blocks=64, block_size=8)
+    want = [hf_greedy(hf, p, new_tokens)[0] for p in prompts]
+    assert engine.generate(prompts, new_tokens) == want
+    assert len({t for w in want for t in w}) > 10                  # not one repeated token
+
+
+# -------------------------------------------------------------------------------------------------------
+# accepted: each family with an oracle test
+
+
+def test_mistral_without_a_sliding_window_equals_hf_generate():
+    assert_generates_like_hf(hf_model("Mistral", sliding_window=None, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6}))
+
+
+def test_llama_with_its_own_head_dim_equals_hf_generate():
+    """``head_dim`` set apart from ``hidden_size / num_attention_heads`` (as Gemma-style configs do)."""
+    hf = hf_model("Llama", head_dim=16)
+    assert LlamaShape.from_hf(hf.config).head_dim == 16 != SIZES["hidden_size"] // 4
+    assert_generates_like_hf(hf)
+
+
+# -------------------------------------------------------------------------------------------------------
+# refused, by name
+
+
+@pytest.mark.parametrize("family", ["Granite", "SmolLM3", "Ernie4_5", "Qwen2", "Qwen3", "Phi3", "Olmo2",
+                                    "Cohere"])
+def test_other_families_are_refused_naming_the_model_type(family):
+    hf = hf_model(family)
+    for load in (PagedLlama.from_hf, lambda m: Engine.from_hf(m, num_blocks=8), lambda m: LlamaShape.from_hf(
+            m.config)):
+        with pytest.raises(ValueError, match=f"model_type={hf.config.model_type!r}"):
+            load(hf)
+
+
+def test_mistral_with_a_sliding_window_is_refused():
+    with pytest.raises(ValueError, match="sliding_window=None only, the config has 4"):
+        PagedLlama.from_hf(hf_model("Mistral", sliding_window=4))
+
+
+@pytest.mark.parametrize("override, field", [
+    (dict(hidden_act="gelu"), "hidden_act"), (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}), "rope_type"),
+])
+def test_llama_config_fields_it_does_not_implement_are_refused(override, field):
+    with pytest.raises(ValueError, match=f"supports {field}="):
+        PagedLlama.from_hf(tiny_llama(vocab_size=32, **override))
+
+
+def test_heads_that_do_not_group_are_refused():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(model_type="llama", hidden_size=24, num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        LlamaShape.from_hf(config)
+
+
+def test_a_bare_decoder_without_its_head_is_refused():
+    from transformers import LlamaConfig, LlamaModel
+
+    with pytest.raises(ValueError, match="loads a LlamaForCausalLM .* got a LlamaModel"):
+        PagedLlama.from_hf(LlamaModel(LlamaConfig(**SIZES)))
+
+
+def test_a_state_dict_of_other_weights_is_refused():
+    hf = tiny_llama(vocab_size=32)
+    state = {**hf.state_dict(), "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}
+    with pytest.raises(ValueError, match="unexpected .*q_proj.bias"):
+        PagedLlama.from_state_dict(hf.config, state)
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    with pytest.raises(ValueError, match="missing .*lm_head.weight"):
+        PagedLlama.from_state_dict(hf.config, state)
+
+
+def test_float64_is_refused_when_the_model_or_engine_is_built():
+    hf = tiny_llama(vocab_size=32)
+    with pytest.raises(ValueError, match="float64"):
+        PagedLlama.from_hf(hf.double())
+    with pytest.raises(ValueError, match="float64"):
+        PagedLlama.from_hf(hf, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        Engine(PagedLlama.from_hf(hf.float()).double(), num_blocks=8)
+    assert PagedLlama.from_hf(hf.float(), dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_a_head_size_the_triton_kernel_cannot_take_is_refused_up_front():
+    pytest.importorskip("triton", reason="Triton ships Linux wheels only")
+    model = PagedLlama.from_hf(hf_model("Llama", num_attention_heads=2, num_key_value_heads=1, head_dim=512))
+    with pytest.raises(ValueError, match="head_dim must be at most 256 for the Triton kernel"):
+        Engine(model, num_blocks=8, block_size=4, attention="triton")
+    cache = model.new_cache(num_blocks=4, block_size=4)
+    cache.add_sequence(0)
+    model.prefill(cache, [0], [[1, 2, 3]])
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="at most 256"):
+        model.decode(cache, [0], [4], attention="triton")
+    assert_unchanged(cache, before)
+    assert Engine(model, num_blocks=8, block_size=4).generate([[1, 2, 3]], 2)       # torch path: fine
