@@ -81,8 +81,9 @@ def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> l
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups
             "from pagedlib.teach import ptx\n"
             "json.dump(ptx._compile_here(json.load(sys.stdin)), sys.stdout)\n")
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout, check=False)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the kernel for a GPU target failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)
