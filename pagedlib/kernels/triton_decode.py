@@ -63,10 +63,11 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+    k_cols = k_ptr + kv_head * stride_kh + dims[None, :] * stride_kd  # [1, HEAD_DIM_P]: this head, slot 0
+    v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
     acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr + seq * stride_tb,
-                                  stride_tn, k_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,
-                                  v_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd, dims, dim_ok,
-                                  BLOCK_SIZE, TILE, DOT_FP32, PRECISION)
+                                  stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
+                                  dim_ok, BLOCK_SIZE, TILE, DOT_FP32, PRECISION)
 
     # write: the final output, or this split's partial state for the merge kernel
     o_offs = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :] * stride_od
@@ -81,18 +82,15 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr, stride_tn,
-                  k_ptr, stride_kb, stride_ks, stride_kd, v_ptr, stride_vb, stride_vs, stride_vd,
-                  dims, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr, stride_tn, k_cols, stride_kb, stride_ks,
+                  v_cols, stride_vb, stride_vs, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # the inner loop: positions start..end-1 in tiles of TILE tokens, each tile folded into (m, l, acc)
     for tile_start in range(start, end, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [TILE] logical positions in the sequence
         valid = pos < end  # masks the ragged last tile (and everything past seq_len)
-        k = _kv_tile(k_ptr, table_ptr, stride_tn, stride_kb, stride_ks, stride_kd, pos, valid, dims, dim_ok,
-                     BLOCK_SIZE)  # [TILE, HEAD_DIM_P]
-        v = _kv_tile(v_ptr, table_ptr, stride_tn, stride_vb, stride_vs, stride_vd, pos, valid, dims, dim_ok,
-                     BLOCK_SIZE)
+        k, v = _kv_tile(table_ptr, stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
+                        pos, valid, dim_ok, BLOCK_SIZE)  # [TILE, HEAD_DIM_P] each
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_P, TILE], base-2 logits
@@ -107,14 +105,15 @@ def _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr, stride_tn,
 
 
 @triton.jit
-def _kv_tile(pool_ptr, table_ptr, stride_tn, stride_b, stride_s, stride_d, pos, valid, dims, dim_ok,
-             BLOCK_SIZE: tl.constexpr):
+def _kv_tile(table_ptr, stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs, pos, valid,
+             dim_ok, BLOCK_SIZE: tl.constexpr):
     # the table walk: position pos lives in block table[pos // BLOCK_SIZE], at slot pos % BLOCK_SIZE
-    block = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_tn, mask=valid, other=0)  # [TILE]
-    rows = block.to(tl.int64) * stride_b + (pos % BLOCK_SIZE) * stride_s  # [TILE]; int64: multi-GiB pools
+    block = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_tn, mask=valid, other=0).to(tl.int64)  # [TILE]
+    slot = pos % BLOCK_SIZE  # (block ids in int64: offsets into a multi-GiB pool overflow int32)
     mask = valid[:, None] & dim_ok[None, :]  # a masked load reads nothing: unused slots are never touched
-    tile = tl.load(pool_ptr + rows[:, None] + dims[None, :] * stride_d, mask=mask, other=0.0)
-    return tile  # [TILE, HEAD_DIM_P]
+    k = tl.load(k_cols + (block * stride_kb + slot * stride_ks)[:, None], mask=mask, other=0.0)
+    v = tl.load(v_cols + (block * stride_vb + slot * stride_vs)[:, None], mask=mask, other=0.0)
+    return k, v
 
 
 @triton.jit

@@ -105,11 +105,11 @@ def ptx_instructions(ptx: str) -> list[str]:
 
 
 def ptx_excerpt(ptx: str, context: int = 6) -> str:
-    """The lines of ``ptx`` around the first global load of a K/V tile (``cp.async`` on sm_80 and later,
+    """The lines of ``ptx`` around the first global load of a K tile (``cp.async`` on sm_80 and later,
     else ``ld.global``), found through the ``.loc`` directives that map PTX to the source line of
-    ``tile = tl.load(`` in ``_kv_tile``."""
+    ``k = tl.load(`` in ``_kv_tile``."""
     src, first = inspect.getsourcelines(triton_decode._kv_tile.fn)
-    line_no = first + next(i for i, line in enumerate(src) if line.strip().startswith("tile = tl.load("))
+    line_no = first + next(i for i, line in enumerate(src) if line.strip().startswith("k = tl.load("))
     lines, here = ptx.splitlines(), False
     for i, line in enumerate(lines):
         if line.strip().startswith(".loc"):
@@ -117,4 +117,4 @@ def ptx_excerpt(ptx: str, context: int = 6) -> str:
             here = len(fields) > 2 and fields[2].isdigit() and int(fields[2]) == line_no
         elif here and ("ld.global" in line or "cp.async" in line and ".global" in line):
             return "\n".join(x.rstrip() for x in lines[max(0, i - context):i + context + 1])
-    raise ValueError("no global load of a K/V tile found in this PTX")
+    raise ValueError("no global load of the K tile found in this PTX")
