@@ -25,8 +25,7 @@ def check_number(name: str, value: object, zero_ok: bool = False) -> float:
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """Check ``paged_attention``'s tensors (one device sync); return ``(batch, q_heads, kv_heads, head_dim,
-    block_size)``."""
+    """``paged_attention``'s tensors (one device sync) -> ``(batch, q_heads, kv_heads, head_dim, bs)``."""
     for name, t in zip(PAGED_ARGS, (q, k_cache, v_cache, block_tables, seq_lens)):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             what = f"a {t.layout} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -64,12 +63,10 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def _check_tables(q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_blocks: int,
                   bs: int) -> None:
-    if tables.dtype != torch.int32 or tables.dim() != 2:
-        raise ValueError(f"block_tables must be an int32 tensor of shape [batch, max_blocks], "
-                         f"got {tables.dtype} {list(tables.shape)}")
-    if lens.dtype != torch.int32 or lens.dim() != 1:
-        raise ValueError(f"seq_lens must be an int32 tensor of shape [batch], "
-                         f"got {lens.dtype} {list(lens.shape)}")
+    for name, t, shape in (("block_tables", tables, "[batch, max_blocks]"), ("seq_lens", lens, "[batch]")):
+        if t.dtype != torch.int32 or t.dim() != shape.count(",") + 1:
+            raise ValueError(f"{name} must be an int32 tensor of shape {shape}, "
+                             f"got {t.dtype} {list(t.shape)}")
     if tables.shape[0] != lens.shape[0]:
         raise ValueError(f"block_tables and seq_lens must describe the same sequences, got "
                          f"{tables.shape[0]} rows and {lens.shape[0]} lengths")
@@ -115,7 +112,6 @@ def check_reference(cache, seq_id, q: torch.Tensor) -> None:
 
 def check_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                   seq_len: object) -> int:
-    """``paged_prefill_attention``'s arguments; returns ``seq_len`` as an int."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < 1:
         raise ValueError(f"q must be a tensor of shape [n >= 1, q_heads, head_dim], got {_got(q)}")
     if not isinstance(table, torch.Tensor) or table.dim() != 1 or table.dtype != torch.int32:
@@ -151,7 +147,6 @@ def check_window(q_len: object, kv_len: object, window: object) -> tuple[int, in
 
 def check_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_splits: object,
                  compiled: bool) -> int | None:
-    """The kernel's own limits, beyond ``check_paged_inputs``; returns ``num_splits`` as an int or None."""
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"q's head_dim must be at most {MAX_HEAD_DIM} for the Triton kernel, got {head_dim}")

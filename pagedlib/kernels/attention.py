@@ -4,9 +4,8 @@
 path (gather whole blocks, mask, two matmuls), ``paged_prefill_attention`` causal attention over a prompt
 in the cache, ``contiguous_attention`` the baseline (PyTorch's ``scaled_dot_product_attention``, SDPA),
 ``paged_attention_oracle`` the float64 check for kernels. GQA: query head ``h`` attends with KV head
-``h // (q_heads // kv_heads)``, as SDPA's ``enable_gqa``. Inputs are only read; slots that hold no token
-(NaN included) never reach a result; nothing is kept between calls.
-"""
+``h // (q_heads // kv_heads)``. Inputs are only read; slots that hold no token (NaN included) never reach a
+result; nothing is kept between calls."""
 
 from __future__ import annotations
 
@@ -87,11 +86,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Args:
         q: ``[batch, q_heads, head_dim]``, the query of each sequence's newest position.
         k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]`` (e.g. ``cache.layer(l)``).
-        block_tables: int32 ``[batch, max_blocks]``, padded with -1.
-        seq_lens: int32 ``[batch]``, each >= 1.
+        block_tables, seq_lens: int32 ``[batch, max_blocks]`` padded with -1, int32 ``[batch]`` (>= 1).
         scale: softmax scale; default ``head_dim ** -0.5``.
-        chunk_bytes: bound on each chunk's gathered K+V copy (``plan_chunks``); default
-            ``default_chunk_bytes(q.device)``.
+        chunk_bytes: bound on each chunk's gathered K+V copy (``plan_chunks``); default by device.
     Returns:
         ``[batch, q_heads, head_dim]``, like ``q``.
     """
@@ -160,12 +157,9 @@ def default_chunk_bytes(device: torch.device) -> int:
 
 def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,
                 chunk_bytes: float) -> list[range]:
-    """Cut a batch into chunks of consecutive sequences for ``paged_attention``.
-
-    A chunk's copy is padded to its longest sequence: ``len(chunk) * longest_blocks * block_size *
-    bytes_per_token`` bytes. A sequence joins the chunk while that stays within ``chunk_bytes`` and within
-    twice the blocks the chunk's sequences hold (padding never more than the sequences need, even with
-    ``chunk_bytes=math.inf``); a chunk holds at least one sequence.
+    """Cut a batch into chunks of consecutive sequences for ``paged_attention``. A chunk's copy is padded to
+    its longest sequence; a sequence joins the chunk while that copy stays within ``chunk_bytes`` and within
+    twice the blocks the chunk's sequences hold (so even ``math.inf`` pads no more than the sequences need).
     """
     chunks, start, width, own = [], 0, 0, 0             # width: padded tokens per sequence; own: real blocks
     for i, n in enumerate(seq_lens):
@@ -181,17 +175,10 @@ def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_len: int,
                             scale: float | None = None) -> torch.Tensor:
-    """Causal attention for the last ``n`` positions of one sequence, whose K/V are already in the cache
-    (``n == seq_len``: a prompt's prefill; ``n < seq_len``: a chunk after earlier tokens, query ``i`` at
-    position ``seq_len - n + i``).
-
-    Args:
-        q: ``[n, q_heads, head_dim]``.
-        block_table: int32 ``[max_blocks]``, the sequence's blocks (padding allowed).
-        seq_len: tokens stored, the queries' own included.
-    Returns:
-        ``[n, q_heads, head_dim]``.
-    """
+    """Causal attention for the last ``n`` positions of one sequence whose K/V are in the cache: ``q``
+    ``[n, q_heads, head_dim]`` -> the same shape. ``block_table``: int32 ``[max_blocks]`` (padding allowed);
+    ``seq_len``: tokens stored, the queries' own included (``n == seq_len``: a prompt's prefill; ``n <
+    seq_len``: a chunk after earlier tokens, query ``i`` at position ``seq_len - n + i``)."""
     seq_len = _checks.check_prefill(q, k_cache, v_cache, block_table, seq_len)
     scale, n = softmax_scale(q.shape[2], scale), q.shape[0]
     ids = block_table[None, : ceil_div(seq_len, k_cache.shape[1])].long()     # [1, n_blocks]
@@ -252,12 +239,10 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.devi
 def sliding_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int,
                              scale: float | None = None) -> torch.Tensor:
-    """One decode step in which each sequence's newest token sees only its last ``window`` positions.
-
-    ``paged_attention``'s arguments, ``block_tables`` and ``seq_lens`` describing the blocks and tokens the
-    cache still holds. Released blocks end at a block boundary, so the window is the last ``min(window,
-    n)`` tokens held: ``attend_chunk`` masks the positions before it as it masks those past the length.
-    """
+    """One decode step in which each sequence's newest token sees only its last ``window`` positions:
+    ``paged_attention``'s arguments, the tables and lengths describing the blocks and tokens still held.
+    Released blocks end at a block boundary, so the window is the last ``min(window, n)`` tokens held:
+    ``attend_chunk`` masks the positions before it as it masks those past the length."""
     head_dim = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)[3]
     window, scale = as_int("window", window, minimum=1), softmax_scale(head_dim, scale)
     return attend_chunk(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale, window)

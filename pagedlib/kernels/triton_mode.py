@@ -24,7 +24,7 @@ _LOCK = threading.Lock()
 
 
 def interpreting() -> bool:
-    """True when the kernels run through Triton's interpreter (numpy on the CPU)."""
+    """True when the kernels run through Triton's interpreter."""
     return _LIBRARY and _KERNELS
 
 
