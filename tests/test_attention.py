@@ -426,13 +426,18 @@ def test_benchmark_command_writes_json(tmp_path) -> None:
     ["attention", "--block-sizes", "1,a"], ["attention", "--contexts", "0,8"],
     ["attention", "--repeats", "0"], ["attention", "--q-heads", "6", "--kv-heads", "4"],
     ["gpu", "--batches", "a,b"], ["gpu", "--contexts", "512,-1"], ["gpu", "--pool-gib", "0"],
-    ["gpu", "--repeats", "0"],
+    ["gpu", "--repeats", "0"], ["gpu", "--out-dir", "{file}/results"],
 ])
-def test_benchmark_flags_are_usage_errors_before_any_work(argv, capsys, monkeypatch) -> None:
+def test_benchmark_flags_are_usage_errors_before_any_work(argv, capsys, monkeypatch, tmp_path) -> None:
     from pagedlib.bench import attention as bench_attention
+    from pagedlib.bench import gpu
     from pagedlib.bench.__main__ import main
 
+    (tmp_path / "file").write_text("")                 # a file where the results folder should be
+    argv = [a.format(file=tmp_path / "file") for a in argv]
     monkeypatch.setattr(bench_attention, "run", lambda *a, **k: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(gpu, "benchmark", lambda *a, **k: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past gpu's own CUDA check, if reached
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2

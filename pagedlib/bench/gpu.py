@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
+import os
 import re
 import statistics
 import sys
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedlib.bench.timing import (
     environment,
@@ -229,9 +232,6 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[],
     """SDPA's flash backend (math on a CPU) for ``q`` ``[batch, q_heads, head_dim]`` and contiguous
     ``k``, ``v`` ``[batch, kv_heads, context, head_dim]``. The query heads of a GQA group become query
     rows, ``[batch, kv_heads, group, head_dim]``: exact for decode (one token, no causal mask)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
     qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[2])
 
@@ -321,6 +321,17 @@ def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] 
     return payload
 
 
+def writable_dir(text: str) -> Path:
+    """argparse ``type=``: a folder that is, or can be created, writable (checked before the run)."""
+    path = existing = Path(text).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write results to {text!r}: {str(existing)!r} is not a "
+                                         "writable folder")
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int_list, default=[1, 8, 64, 256], help="comma-separated")
     parser.add_argument("--contexts", type=int_list, default=[512, 4096, 32768], help="comma-separated")
@@ -328,7 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K+V pool in GiB (>= 4: far beyond L2)")
     parser.add_argument("--repeats", type=positive_int, default=15,
                         help="timed replays per row (fewer for big rows)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out-dir", type=writable_dir, default=RESULTS_DIR)
 
 
 def main(args: argparse.Namespace) -> int:
