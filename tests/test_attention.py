@@ -194,6 +194,19 @@ def test_default_chunks_are_bounded_on_every_device() -> None:
             assert copy <= max(budget, longest)
 
 
+def test_an_unbounded_budget_never_pads_more_than_the_sequences_hold() -> None:
+    # chunk_bytes=inf once padded 31 sequences of 16 tokens to the longest (4,096): 512 MiB of copies for
+    # 18 MiB of K/V. Now a chunk's copy is at most twice the blocks its own sequences hold.
+    lens, per_token = [4096] + [16] * 31, 2 * 8 * 128 * 2
+    for budget in (math.inf, 64 * 2**20):
+        chunks = plan_chunks(lens, 16, per_token, budget)
+        assert [i for c in chunks for i in c] == list(range(32))
+        for c in chunks:
+            assert len(c) * max(lens[i] for i in c) <= 2 * sum(lens[i] for i in c)
+        assert sum(len(c) * max(lens[i] for i in c) for c in chunks) <= 2 * sum(lens)
+    assert len(plan_chunks([1024] * 16, 16, per_token, math.inf)) == 1    # equal lengths: one chunk
+
+
 def test_a_plan_covers_every_sequence_once() -> None:
     assert plan_chunks([], 16, 1024, 0) == []
     for budget in (0, 5000, math.inf):
@@ -345,6 +358,10 @@ def test_contiguous_attention_names_a_bad_argument() -> None:
         contiguous_attention(q, k, [[0.0]])
     with pytest.raises(ValueError, match=r"q_heads \(3\) must be a multiple of kv_heads \(2\)"):
         contiguous_attention(q[:, :3], k, k)
+    # a batch or head_dim that differs between q and k/v: torch's RuntimeError before, a ValueError now
+    for qq, kk in ((q.expand(3, -1, -1, -1), k), (q, k[..., :8])):
+        with pytest.raises(ValueError, match=r"one batch, one head_dim\); got \["):
+            contiguous_attention(qq, kk, kk)
 
 
 def test_unused_table_entries_are_not_validated() -> None:
@@ -389,7 +406,7 @@ def test_benchmark_command_writes_json(tmp_path) -> None:
 
     path = tmp_path / "attention.json"
     argv = ["attention", "--batch", "2", "--context", "24", "--q-heads", "4", "--kv-heads", "2",
-            "--head-dim", "16", "--block-sizes", "1", "8", "--contexts", "8", "24", "--repeats", "2",
+            "--head-dim", "16", "--block-sizes", "1,8", "--contexts", "8,24", "--repeats", "2",
             "--json", str(path)]
     assert main(argv) == 0
     result = json.loads(path.read_text())
@@ -401,4 +418,28 @@ def test_benchmark_command_writes_json(tmp_path) -> None:
     assert [r["context"] for r in result["context_sweep"]] == [8, 8, 24, 24]
     for r in result["decode"] + result["prefill"]:  # speedup: contiguous time / time, at the same point
         base = next(b for b in result[r["phase"]] if b["impl"] == "contiguous" and b["batch"] == r["batch"])
-        assert r["speedup"] == pytest.approx(base["ms"] / r["ms"])
+        assert r["speedup vs SDPA (x faster)"] == pytest.approx(base["ms"] / r["ms"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["attention", "--block-size", "0"], ["attention", "--batch", "-2"], ["attention", "--head-dim", "x"],
+    ["attention", "--block-sizes", "1,a"], ["attention", "--contexts", "0,8"],
+    ["attention", "--repeats", "0"], ["attention", "--q-heads", "6", "--kv-heads", "4"],
+    ["gpu", "--batches", "a,b"], ["gpu", "--contexts", "512,-1"], ["gpu", "--pool-gib", "0"],
+    ["gpu", "--repeats", "0"], ["gpu", "--out-dir", "{file}/results"],
+])
+def test_benchmark_flags_are_usage_errors_before_any_work(argv, capsys, monkeypatch, tmp_path) -> None:
+    from pagedlib.bench import attention as bench_attention
+    from pagedlib.bench import gpu
+    from pagedlib.bench.__main__ import main
+
+    (tmp_path / "file").write_text("")                 # a file where the results folder should be
+    argv = [a.format(file=tmp_path / "file") for a in argv]
+    monkeypatch.setattr(bench_attention, "run", lambda *a, **k: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(gpu, "benchmark", lambda *a, **k: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past gpu's own CUDA check, if reached
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and argv[-2].lstrip("-").split("-")[0] in err, err

@@ -24,6 +24,15 @@ def test_mask_matches_its_definition():
     assert sliding_window_mask(4, 4, 100).equal(torch.ones(4, 4, dtype=torch.bool).tril())
 
 
+
+@pytest.mark.parametrize("args,name", [((5, 3, 2), "q_len"), ((2, 6, 0), "window"), ((2, 6, -1), "window"),
+                                       ((2.5, 6, 3), "q_len"), ((1, 0, 3), "kv_len")])
+def test_mask_refuses_arguments_that_leave_a_query_nothing_to_see(args, name):
+    # each of these once returned a mask with rows of no True (or float positions): SDPA gives NaN there
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        sliding_window_mask(*args)
+
+
 def test_release_leading_blocks():
     cache = PagedKVCache(8, 1, 4, 1, 2, free_order=[3, 6, 1, 0])
     cache.add_sequence("s")

@@ -3,8 +3,8 @@
 Decode (one new token per sequence, a batch of sequences) and prefill (causal attention over one prompt)
 are measured separately. Every figure is the median of repeated calls, interleaved between the
 implementations and with the caches flushed before each call; GB/s is the bytes of K and V that must be
-read (``kernels.attention.kv_bytes``: every cached token once) divided by that time, and ``speedup`` is
-contiguous SDPA's time divided by the row's (> 1: faster).
+read (``kernels.attention.kv_bytes``: every cached token once) divided by that time, and ``speedup vs SDPA
+(x faster)`` is contiguous SDPA's time divided by the row's (> 1: faster).
 
 Decode rows: ``reference`` (the per-token loop), ``paged`` (``paged_attention`` with its default chunks),
 ``paged-whole-batch`` (the whole batch in one chunk, ``chunk_bytes=math.inf``) and ``contiguous``. The
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -29,7 +30,9 @@ from pagedlib.bench.timing import (
     add_run_arguments,
     default_device,
     environment,
+    int_list,
     num_threads,
+    positive_int,
     print_table,
     speedup,
     time_once,
@@ -45,7 +48,8 @@ from pagedlib.kernels.attention import (
     reference_paged_attention,
 )
 
-COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", "speedup", "spread"]
+SPEEDUP = "speedup vs SDPA (x faster)"  # contiguous SDPA's time / the row's time, at the same point
+COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", SPEEDUP, "spread"]
 DECODE_IMPLS = ("reference", "paged", "paged-whole-batch", "contiguous")
 
 
@@ -112,17 +116,17 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: dict[str, int],
 
 
 def _rows(cfg: AttentionConfig, phase: str, timings: dict[str, Timing], nbytes: int) -> list[dict[str, Any]]:
-    """One row per implementation; ``speedup`` relative to ``contiguous`` of the same call."""
+    """One row per implementation; ``SPEEDUP`` relative to ``contiguous`` of the same call."""
     base = timings["contiguous"].median
     return [{"phase": phase, "impl": impl, "batch": cfg.batch, "context": cfg.context,
              "block_size": cfg.block_size, "ms": t.median * 1e3, "GB/s": nbytes / t.median / 1e9,
-             "speedup": speedup(base, t.median), "spread": t.spread, "samples": len(t.samples)}
+             SPEEDUP: speedup(base, t.median), "spread": t.spread, "samples": len(t.samples)}
             for impl, t in timings.items()]
 
 
 def decode_rows(cfg: AttentionConfig, impls: tuple[str, ...] = DECODE_IMPLS, repeats: int = 20) -> list[dict]:
     """Time one decode step (one layer) of ``cfg.batch`` sequences with each implementation in ``impls``
-    (``contiguous`` is always timed: it is the baseline of ``speedup``)."""
+    (``contiguous`` is always timed: it is the baseline of ``SPEEDUP``)."""
     x = make_inputs(cfg)
     layer = x["cache"].layer(0)
     args = (x["q"], *layer, x["tables"], x["lens"])
@@ -179,14 +183,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = AttentionConfig()
     parser.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
     for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "block_size"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
+        parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(d, name))
+    parser.add_argument("--block-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32, 64, 128],
+                        help="block sizes of the sweep, comma-separated")
+    parser.add_argument("--contexts", type=int_list, default=[128, 256, 512, 1024, 2048, 4096],
+                        help="contexts of the sweep, comma-separated")
     parser.add_argument("--no-sweeps", action="store_true", help="only the decode and prefill tables")
     add_run_arguments(parser, repeats=20, repeats_help="timed calls per implementation")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.q_heads % args.kv_heads:
+        print(f"error: --q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})",
+              file=sys.stderr)
+        raise SystemExit(2)
     cfg = AttentionConfig(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
                           args.block_size, args.dtype, default_device(args.device))
     with num_threads(args.threads):
@@ -194,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     env = result["environment"]
     print(f"{cfg.device} ({env.get('device_name', env['processor'])}), torch {env['torch']}, "
           f"{env['torch_threads']} threads, load average {env['load_average'][0]:.1f}; {asdict(cfg)}; "
-          "medians of interleaved calls, caches flushed; speedup = contiguous time / time (> 1: faster)\n")
+          f"medians of interleaved calls, caches flushed; {SPEEDUP} = contiguous SDPA's time / the row's\n")
     titles = {"decode": "decode (one layer)", "prefill": "prefill (causal, one prompt)",
               "block_size_sweep": "decode vs block size", "context_sweep": "decode vs context"}
     for name in [n for n in titles if n in result]:

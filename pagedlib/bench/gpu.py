@@ -9,7 +9,7 @@
    torch gather path (``paged_attention``), and SDPA's flash backend on contiguous K/V of the same data.
 
 Each row's GB/s is the K/V bytes a decode step must read (``kernels.attention.kv_bytes``) over its time,
-and ``speedup vs SDPA`` is SDPA's time divided by the row's (> 1: faster than SDPA).
+and ``speedup vs SDPA (x faster)`` is SDPA's time divided by the row's (> 1: faster than SDPA).
 
 Times are medians over CUDA-event measurements of CUDA-graph replays (so Python launch overhead is not
 counted; the torch gather path reads lengths on the host and runs eagerly, as its note says); each replay
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
+import os
 import re
 import statistics
 import sys
@@ -32,8 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pagedlib.bench.timing import environment, markdown_table, print_table, speedup, write_json
+from pagedlib.bench.timing import (
+    environment,
+    int_list,
+    markdown_table,
+    positive_float,
+    positive_int,
+    print_table,
+    speedup,
+    write_json,
+)
 from pagedlib.checks import ceil_div
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import (
@@ -46,7 +58,8 @@ from pagedlib.kernels.attention import (
 
 RESULTS_DIR = Path("benchmarks/results")
 METHODS = ("triton", "triton split-K", "torch gather", "sdpa contiguous")
-COLUMNS = ("batch", "context", "method", "us", "GB/s", "% copy BW", "speedup vs SDPA", "splits", "note")
+SPEEDUP = "speedup vs SDPA (x faster)"  # SDPA's time / the row's time, at the same batch and context
+COLUMNS = ("batch", "context", "method", "us", "GB/s", "% copy BW", SPEEDUP, "splits", "note")
 CHECK_COLUMNS = ("case", "splits", "rel_err", "limit", "ok")
 NO_CUDA_MESSAGE = (
     "python -m pagedlib.bench gpu needs a CUDA GPU, and torch.cuda.is_available() is False here.\n"
@@ -88,7 +101,7 @@ def finish_rows(rows: list[dict[str, Any]], copy_gbps: float) -> list[dict[str, 
         r.update({"us": r["seconds"] * 1e6, "GB/s": r["kv_bytes"] / r["seconds"] / 1e9})
         r["% copy BW"] = 100 * r["GB/s"] / copy_gbps
         if (r["batch"], r["context"]) in sdpa:
-            r["speedup vs SDPA"] = speedup(sdpa[(r["batch"], r["context"])], r["seconds"])
+            r[SPEEDUP] = speedup(sdpa[(r["batch"], r["context"])], r["seconds"])
     return rows
 
 
@@ -99,7 +112,7 @@ def markdown_report(rows: list[dict[str, Any]], env: dict[str, Any], copy_gbps: 
     head += [f"- {k}: {env.get(k)}" for k in ("device_name", "cuda", "torch", "triton", "date")]
     head += [f"- measured copy bandwidth (device-to-device `copy_`, read + write): {copy_gbps:,.0f} GB/s",
              "- shape: 32 query / 8 KV heads, head_dim 128, fp16, block size 16; GB/s = K/V bytes one "
-             "decode step must read / time; speedup vs SDPA > 1 is faster", "",
+             f"decode step must read / time; {SPEEDUP} = SDPA's time / the row's (> 1: faster)", "",
              "## Correctness (relative error against the float64 oracle)", "",
              markdown_table(checks, CHECK_COLUMNS), "", "## Decode step", "", markdown_table(rows, COLUMNS)]
     return "\n".join(head) + "\n"
@@ -219,9 +232,6 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[],
     """SDPA's flash backend (math on a CPU) for ``q`` ``[batch, q_heads, head_dim]`` and contiguous
     ``k``, ``v`` ``[batch, kv_heads, context, head_dim]``. The query heads of a GQA group become query
     rows, ``[batch, kv_heads, group, head_dim]``: exact for decode (one token, no causal mask)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
     qg = q.reshape(q.shape[0], k.shape[1], -1, q.shape[2])
 
@@ -311,12 +321,25 @@ def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] 
     return payload
 
 
+def writable_dir(text: str) -> Path:
+    """argparse ``type=``: a folder that is, or can be created, writable (checked before the run)."""
+    path = existing = Path(text).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write results to {text!r}: {str(existing)!r} is not a "
+                                         "writable folder")
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 32768])
-    parser.add_argument("--pool-gib", type=float, default=8.0, help="K+V pool in GiB (>= 4: far beyond L2)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed replays per row (fewer for big rows)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--batches", type=int_list, default=[1, 8, 64, 256], help="comma-separated")
+    parser.add_argument("--contexts", type=int_list, default=[512, 4096, 32768], help="comma-separated")
+    parser.add_argument("--pool-gib", type=positive_float, default=8.0,
+                        help="K+V pool in GiB (>= 4: far beyond L2)")
+    parser.add_argument("--repeats", type=positive_int, default=15,
+                        help="timed replays per row (fewer for big rows)")
+    parser.add_argument("--out-dir", type=writable_dir, default=RESULTS_DIR)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,13 +1,7 @@
-"""Triton plumbing around the kernels of ``pagedlib.kernels.triton_decode`` (notebook 05, tests, benchmarks).
+"""Compile the Triton kernels for an NVIDIA GPU without one, and read the PTX (notebook 05, tests).
 
-- **Interpreter mode.** Without CUDA, ``pagedlib`` sets ``TRITON_INTERPRET=1`` before triton's first
-  import, and the kernels run through Triton's interpreter (numpy on the CPU). ``interpreting`` says
-  whether they do, ``check_mode`` refuses the setups that cannot work, and ``interpreter_lock``
-  serialises interpreted launches: the interpreter keeps global state while it runs a kernel, so two
-  threads launching at once fail (``InterpreterError``) or corrupt each other.
-- **Compiling for a GPU without one.** ``compile_for_gpu`` builds the decode (or merge) kernel for an
-  NVIDIA target (``sm_80``, ``sm_90``) in a subprocess, returning its PTX; ``ptx_instructions`` and
-  ``ptx_excerpt`` read that PTX the way notebook 05 shows it.
+A process whose Triton runs in interpreter mode cannot compile, so ``compile_for_gpu_many`` compiles in a
+subprocess with ``TRITON_INTERPRET=0``; ``ptx_instructions`` and ``ptx_excerpt`` read what it returns.
 """
 
 from __future__ import annotations
@@ -21,47 +15,39 @@ import time
 from typing import Any
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-# compiling for a GPU without one
+from pagedlib.kernels import triton_decode
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def _decode_source(dtype: str, head_dim: int, block_size: int, group: int, split: bool) -> Any:
-    """An ``ASTSource`` for the decode kernel: argument types as a real launch would specialise them
-    (pointers and strides divisible by 16, unit strides along head_dim folded to constants)."""
-    from triton.compiler import ASTSource
-
-    from pagedlib.kernels.triton_decode import _paged_decode_kernel as fn
-    from pagedlib.kernels.triton_decode import kernel_config
-
-    ty = _TRITON_TYPES[dtype]
+def _decode_source(dtype: str, head_dim: int, block_size: int, group: int, split: bool) -> ASTSource:
+    """The decode kernel typed as a real launch specialises it (pointers and strides divisible by 16, unit
+    strides along head_dim folded to constants)."""
+    fn, ty = triton_decode._paged_decode_kernel, _TRITON_TYPES[dtype]
     pointers = {"q_ptr": ty, "k_ptr": ty, "v_ptr": ty, "table_ptr": "i32", "lens_ptr": "i32",
                 "out_ptr": "fp32" if split else ty, "m_ptr": "fp32", "l_ptr": "fp32"}
     unit = {"stride_qd", "stride_kd", "stride_vd", "stride_tn", "stride_od"}
     signature = {n: "*" + pointers[n] if n in pointers else "fp32" if n == "qk_scale" else "i32"
                  for n in fn.arg_names}
-    constexprs: dict[str, Any] = {**kernel_config(head_dim, group), "BLOCK_SIZE": block_size, "SPLIT": split,
-                                  "DOT_FP32": False, "PRECISION": "ieee" if dtype == "float32" else "tf32",
-                                  **dict.fromkeys(unit, 1)}
+    constexprs: dict[str, Any] = {**triton_decode.kernel_config(head_dim, group), "BLOCK_SIZE": block_size,
+                                  "SPLIT": split, "DOT_FP32": False, **dict.fromkeys(unit, 1),
+                                  "PRECISION": "ieee" if dtype == "float32" else "tf32"}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")
                or (n.startswith("stride_") and n not in unit and n != "stride_tb")]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return ASTSource(fn, signature, constexprs, attrs)
+    return ASTSource(fn, signature, constexprs, {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                                                 for n in aligned})
 
 
-def _merge_source(head_dim: int, num_splits: int, out_dtype: str = "float32") -> Any:
-    """An ``ASTSource`` for the merge kernel (fp32 partials in, ``out_dtype`` output, as ``q``'s)."""
-    from triton.compiler import ASTSource
-
-    from pagedlib.kernels.triton_decode import _merge_splits_kernel as fn
-    from pagedlib.kernels.triton_decode import kernel_config
-
-    unit = {"stride_pd", "stride_od"}
-    head_dim_p = kernel_config(head_dim, 1)["HEAD_DIM_P"]
-    constexprs: dict[str, Any] = {"HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p,
-                                  "SPLITS_P": triton.next_power_of_2(num_splits), **dict.fromkeys(unit, 1)}
+def _merge_source(head_dim: int, num_splits: int, out_dtype: str = "float32") -> ASTSource:
+    """The merge kernel: fp32 partials in, an ``out_dtype`` output (``q``'s dtype)."""
+    fn, unit = triton_decode._merge_splits_kernel, {"stride_pd", "stride_od"}
+    constexprs: dict[str, Any] = {"HEAD_DIM": head_dim, "SPLITS_P": triton.next_power_of_2(num_splits),
+                                  "HEAD_DIM_P": triton_decode.kernel_config(head_dim, 1)["HEAD_DIM_P"],
+                                  **dict.fromkeys(unit, 1)}
     signature = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     signature["out_ptr"] = "*" + _TRITON_TYPES[out_dtype]
     signature.update(dict.fromkeys(constexprs, "constexpr"))
@@ -71,8 +57,6 @@ def _merge_source(head_dim: int, num_splits: int, out_dtype: str = "float32") ->
 
 def _compile_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Compile in this (compiled-mode) process; see ``compile_for_gpu_many``."""
-    from triton.backends.compiler import GPUTarget
-
     results = []
     for spec in specs:
         if spec.get("kernel", "decode") == "merge":
@@ -88,18 +72,16 @@ def _compile_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
-    """Compile several configurations in one subprocess with ``TRITON_INTERPRET=0`` (a process in
-    interpreter mode cannot compile reliably).
+    """Compile several configurations in one subprocess with ``TRITON_INTERPRET=0``.
 
-    Each spec is a dict: ``arch`` (80, 90, ...), and either the decode kernel's ``dtype`` (``"float16"``,
-    ``"bfloat16"``, ``"float32"``), ``head_dim``, ``block_size``, ``group``, ``split``, or
-    ``kernel="merge"`` with ``head_dim``, ``num_splits`` and optionally ``dtype`` (of the output).
-    Returns the specs, each with ``ptx`` (text), ``seconds`` and ``shared_bytes`` added.
+    Each spec: ``arch`` (80, 90, ...) and either the decode kernel's ``dtype``, ``head_dim``,
+    ``block_size``, ``group``, ``split``, or ``kernel="merge"`` with ``head_dim``, ``num_splits`` and
+    optionally ``dtype`` (of the output). Returns the specs with ``ptx``, ``seconds``, ``shared_bytes``.
     """
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups
-            "from pagedlib.teach import ptx as t\n"
-            "json.dump(t._compile_here(json.load(sys.stdin)), sys.stdout)\n")
+            "from pagedlib.teach import ptx\n"
+            "json.dump(ptx._compile_here(json.load(sys.stdin)), sys.stdout)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
@@ -116,39 +98,23 @@ def compile_for_gpu(arch: int = 90, *, dtype: str = "float16", head_dim: int = 1
 
 
 def ptx_instructions(ptx: str) -> list[str]:
-    """The instructions of ``ptx``, one per entry, without directives, labels, comments or braces.
-
-    Count these, not lines: PTX also carries debug information about the checkout (DWARF sections spell
-    the source file's absolute path one ``.b8`` byte per line), so its line count changes with the folder
-    the repo was cloned into.
-    """
-    out = []
-    for line in ptx.splitlines():
-        code = line.split("//", 1)[0].strip()
-        if code and not code.startswith((".", "$", "{", "}")) and not code.endswith(":"):
-            out.append(code)
-    return out
+    """The instructions of ``ptx`` without directives, labels, comments or braces. Count these, not lines:
+    PTX's debug sections spell the source file's path one byte per line, so lines depend on the checkout."""
+    code = (line.split("//", 1)[0].strip() for line in ptx.splitlines())
+    return [c for c in code if c and not c.startswith((".", "$", "{", "}")) and not c.endswith(":")]
 
 
 def ptx_excerpt(ptx: str, context: int = 6) -> str:
-    """The lines of ``ptx`` around the first global load of the K tile.
-
-    On sm_80 and later the pipelined loop loads K/V with ``cp.async`` (global -> shared, 16 bytes per
-    thread, zero-filled where the mask is off); elsewhere it is a plain ``ld.global``. Triton writes
-    ``.loc`` directives that map each PTX instruction to a source line, so the load is found by the line
-    number of ``k = tl.load(`` in the kernel's source, not by guessing.
-    """
-    from pagedlib.kernels.triton_decode import _paged_decode_kernel
-
-    src_lines, first = inspect.getsourcelines(_paged_decode_kernel.fn)
-    k_line = first + next(i for i, line in enumerate(src_lines) if line.strip().startswith("k = tl.load("))
-    lines = ptx.splitlines()
-    in_k_load = False
+    """The lines of ``ptx`` around the first global load of a K tile (``cp.async`` on sm_80 and later,
+    else ``ld.global``), found through the ``.loc`` directives that map PTX to the source line of
+    ``k = tl.load(`` in ``_kv_tile``."""
+    src, first = inspect.getsourcelines(triton_decode._kv_tile.fn)
+    line_no = first + next(i for i, line in enumerate(src) if line.strip().startswith("k = tl.load("))
+    lines, here = ptx.splitlines(), False
     for i, line in enumerate(lines):
         if line.strip().startswith(".loc"):
             fields = line.split()
-            in_k_load = len(fields) > 2 and fields[2].isdigit() and int(fields[2]) == k_line
-        elif in_k_load and ("ld.global" in line or "cp.async" in line and ".global" in line):
-            lo, hi = max(0, i - context), min(len(lines), i + context + 1)
-            return "\n".join(line.rstrip() for line in lines[lo:hi])
+            here = len(fields) > 2 and fields[2].isdigit() and int(fields[2]) == line_no
+        elif here and ("ld.global" in line or "cp.async" in line and ".global" in line):
+            return "\n".join(x.rstrip() for x in lines[max(0, i - context):i + context + 1])
     raise ValueError("no global load of the K tile found in this PTX")
