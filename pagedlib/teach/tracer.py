@@ -1,17 +1,15 @@
 """``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06).
 
-Each button calls one of the cache's own methods; the tracer adds what the reader looks at (selection,
-lookup, last copy-on-write, log line) and a history of immutable snapshots, one per action that changes
-the cache, which Back and Forward walk. Token ``p`` is written as ``k = v = p`` (one layer, one head of
-size 2) and, with prefix caching, has token id ``p``, so every prompt is a prefix of every longer one.
-A failed action changes nothing (arguments are checked first, in ``teach._checks``, and every cache call
-is all-or-nothing); its error is shown, then raised by a method or swallowed by a button. One thread.
+Each button calls one of the cache's own methods; the tracer adds what the reader looks at and a history of
+immutable snapshots (a copy of the cache and of the view after each action that changes it) for Back and
+Forward. Token ``p`` is written as ``k = v = p`` and, with prefix caching, has token id ``p``. A failed
+action changes nothing (checks first, in ``teach._checks``; cache calls are all-or-nothing). One thread.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,9 +24,7 @@ from pagedlib.teach.tracer_view import render_history, render_html
 
 __all__ = ["SCENARIO", "BlockTableTracer"]
 
-# The scripted scenario that Play animates: two sequences interleave, one is freed, a third reuses its
-# blocks. Each step is (operation, sequence id or None, token count, narration); the narration's block
-# boundaries assume block_size 4, the default.
+# Play's scenario, one (operation, seq id or None, token count, narration) per step, for block_size 4.
 SCENARIO: tuple[tuple[str, int | None, int, str], ...] = (
     ("add", None, 0, "a request arrives: seq 0 starts with an empty table"),
     ("append", 0, 6, "its prompt of 6 tokens is written in one go"),
@@ -50,20 +46,12 @@ SCENARIO: tuple[tuple[str, int | None, int, str], ...] = (
 _USER_ERRORS = (ValueError, LookupError, OutOfBlocksError)  # bad input or a full pool; never a bug
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One step of the history: a copy of the cache (never written to) and what the view showed."""
-    cache: PagedKVCache
-    next_id: int
-    selected: int | None
-    lookup: tuple[int, int] | None
-    copied: tuple[int, int] | None
-    log: str
+# One step of the history: a copy of the cache (never written to) and what the view showed.
+_Step = collections.namedtuple("_Step", "cache next_id selected lookup copied log")
 
 
 def _action(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A tracer action: on success, clear the last error; on failure (which changes nothing), keep the
-    view, show the error and re-raise it. Redraw either way."""
+    """A tracer action: redraw; on failure (which changes nothing) show the error and re-raise it."""
     @functools.wraps(method)
     def run(self: BlockTableTracer, *args: Any, **kwargs: Any) -> Any:
         copied, self._copied = self._copied, None  # the copy-on-write highlight is the last action's
@@ -80,36 +68,28 @@ def _action(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-# attribute: (label, icon, tooltip, what a click does)
-_BUTTONS: dict[str, tuple[str, str, str, Callable[[BlockTableTracer], Any]]] = {
-    "add_button": ("Add sequence", "plus", "add a new, empty sequence", lambda t: t.add_sequence()),
-    "append_button": ("Append token", "pencil", "append one token to the selected sequence (a decode step)",
-                      lambda t: t.append(None, 1)),
-    "fork_button": ("Fork", "code-fork", "a new sequence sharing all the blocks of the selected one",
-                    lambda t: t.fork()),
-    "free_button": ("Free", "trash", "free the selected sequence", lambda t: t.free()),
-    "reset_button": ("Reset", "refresh", "start again from an empty pool", lambda t: t.reset()),
-    "append_n_button": ("Append N", "fast-forward", "append N tokens at once",
-                        lambda t: t.append(None, t.n_tokens.value)),
-    "add_prompt_button": ("Add with prompt N", "plus-square", "add a sequence with an N-token prompt",
-                          lambda t: t.add_sequence(t.n_tokens.value)),
-    "lookup_button": ("Look up", "search", "ring where this position lives",
-                      lambda t: t.lookup(None, t.position.value)),
-    "back_button": ("Back", "step-backward", "show the state one step earlier", lambda t: t.back()),
-    "forward_button": ("Forward", "step-forward", "redo the next step (or play the next scenario step)",
-                       lambda t: t.forward()),
+_BUTTONS: dict[str, tuple[str, str, Callable[[BlockTableTracer], Any]]] = {  # attribute: label, icon, click
+    "add_button": ("Add sequence", "plus", lambda t: t.add_sequence()),
+    "append_button": ("Append token", "pencil", lambda t: t.append(None, 1)),
+    "fork_button": ("Fork", "code-fork", lambda t: t.fork()),
+    "free_button": ("Free", "trash", lambda t: t.free()),
+    "reset_button": ("Reset", "refresh", lambda t: t.reset()),
+    "append_n_button": ("Append N", "fast-forward", lambda t: t.append(None, t.n_tokens.value)),
+    "add_prompt_button": ("Add with prompt N", "plus-square", lambda t: t.add_sequence(t.n_tokens.value)),
+    "lookup_button": ("Look up", "search", lambda t: t.lookup(None, t.position.value)),
+    "back_button": ("Back", "step-backward", lambda t: t.back()),
+    "forward_button": ("Forward", "step-forward", lambda t: t.forward()),
 }
 
 
 class BlockTableTracer:
-    """Interactive block-table tracer over a real ``PagedKVCache`` (display it in a notebook cell).
+    """Interactive block-table tracer over a real ``PagedKVCache``; its buttons act on ``selected`` and call
+    the same methods as notebooks and tests.
 
     Args:
         num_blocks, block_size: the pool, small so every slot fits on screen (at most ``MAX_SLOTS``).
         free_order: the order blocks are handed out (``PagedKVCache``'s): ``free_order[0]`` first.
         enable_prefix_caching: give the cache a prefix cache; token ids are positions.
-
-    The buttons act on ``selected``; the same actions exist as methods for notebooks and tests.
     """
 
     def __init__(self, num_blocks: int = 12, block_size: int = 4, *,
@@ -140,13 +120,6 @@ class BlockTableTracer:
         """The step of the history shown: 0 is the empty pool, ``k`` the state after ``k`` actions."""
         return self._at
 
-    @property
-    def history(self) -> list[str]:
-        """The log line of every step of the history (the ones after ``step`` were stepped back over)."""
-        return [s.log for s in self._history]
-
-    # actions (the buttons call these) ---------------------------------------------------------------
-
     @_action
     def select(self, seq_id: int | None) -> None:
         """Make ``seq_id`` the sequence the buttons act on (``None``: no sequence)."""
@@ -154,9 +127,8 @@ class BlockTableTracer:
 
     @_action
     def add_sequence(self, prompt_len: int = 0) -> int:
-        """Add a sequence with a ``prompt_len``-token prompt (ids and K/V ``0 .. prompt_len-1``), select it
-        and return its id. With prefix caching, the cache first attaches the cached blocks that hold the
-        prompt's leading full blocks and only the rest is written."""
+        """Add a sequence with a ``prompt_len``-token prompt (ids and K/V ``0 .. prompt_len-1``), select it,
+        return its id. The cache first attaches the cached blocks of its leading full blocks, if any."""
         n, found = _checks.new_prompt(self.cache, self._next_id, prompt_len)  # counts its blocks first
         seq_id, cache = self._next_id, self.cache
         hit = cache.add_sequence(seq_id, list(range(n)) if cache.prefix_cache is not None and n else None)
@@ -181,26 +153,20 @@ class BlockTableTracer:
         cache.fork(parent, child)
         self._next_id += 1
         table, n, bs = cache.tables[child], cache.seq_lens[child], cache.block_size
-        if n % bs:
-            then = (f"its last block {table[-1]} is partly filled ({n % bs} of {bs} slots), so the first "
-                    f"append to either sequence copies it first (copy-on-write)")
-        else:
-            then = "every block is full, so appends take new blocks and nothing will be copied"
+        then = (f"its last block {table[-1]} is partly filled ({n % bs} of {bs} slots), so the first append "
+                f"to either sequence copies it (copy-on-write)" if n % bs else
+                "every block is full, so appends take new blocks and nothing will be copied")
         self._log = (f"Forked seq {parent} into seq {child}: the child's table is a copy of the parent's, "
-                     f"{table}, length {n}; no K/V was copied, each of those blocks has one more ref; "
-                     f"{then}.")
+                     f"{table}, length {n}; no K/V was copied, each block has one more ref; {then}.")
         self._choose(child)
         self._record()
         return child
 
     @_action
     def append(self, seq_id: int | None = None, n: int = 1) -> None:
-        """Append ``n`` tokens to ``seq_id`` (default: the selected sequence) and select it.
-
-        One token goes through ``cache.append_token``; several (a prompt) through ``cache.append_tokens``,
-        which takes every block they need up front, or none if the pool is short. If the last block is
-        shared and partly filled, the cache copies it first (copy-on-write); the log says where.
-        """
+        """Append ``n`` tokens to ``seq_id`` (default: the selected sequence) and select it: one through
+        ``cache.append_token``, several (a prompt) through ``cache.append_tokens``, which takes every block
+        they need up front, or none. A shared, partly filled last block is copied first (copy-on-write)."""
         seq_id = _checks.target(seq_id, self._selected, self.cache.tables)
         n = _checks.tokens("n", n, self.cache, minimum=1)  # before any K/V is built for them
         start = self.cache.seq_lens[seq_id]
@@ -210,12 +176,12 @@ class BlockTableTracer:
 
     @_action
     def free(self, seq_id: int | None = None) -> None:
-        """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref; those nobody
-        holds any more go back on the free stack or, holding cached content, to the cached free blocks."""
+        """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref; a block nobody
+        holds goes back on the free stack or, its content cached, joins the cached free blocks."""
         seq_id, cache = _checks.target(seq_id, self._selected, self.cache.tables), self.cache
         blocks, freed = list(cache.tables[seq_id]), cache.free_sequence(seq_id)
         queue = cache.prefix_cache.free_queue if cache.prefix_cache is not None else {}
-        plain, cached = [b for b in freed if b not in queue], [b for b in freed if b in queue]
+        plain, cached = ([b for b in freed if (b in queue) == q] for q in (False, True))
         kept = [b for b in blocks if b not in freed]
         said = [f"{_ids(plain)} went back on the free stack, {cache.free[-1]} on top" if plain else "",
                 f"{_ids(cached)} kept as cached free: the K/V stay findable" if cached else "",
@@ -233,9 +199,8 @@ class BlockTableTracer:
         block, offset = self.cache.slot(seq_id, pos)  # the cache's IndexError if pos is out of range
         bs = self.cache.block_size
         self._selected, self._lookup = seq_id, (seq_id, pos)
-        self._log = (f"Lookup of position {pos} in seq {seq_id}: {pos} // {bs} = {pos // bs} is the "
-                     f"logical block, table[{pos // bs}] = {block} is the physical block, "
-                     f"{pos} % {bs} = {offset} is the offset.")
+        self._log = (f"Lookup of position {pos} in seq {seq_id}: logical block {pos} // {bs} = {pos // bs}, "
+                     f"physical block table[{pos // bs}] = {block}, offset {pos} % {bs} = {offset}.")
         return pos // bs, block, offset
 
     @_action
@@ -263,7 +228,7 @@ class BlockTableTracer:
         self.reset()
         self._scripted = True
         self._log = f"Scenario ready: press play or step forward through its {len(SCENARIO)} steps."
-        self._history[0] = dataclasses.replace(self._history[0], log=self._log)
+        self._history[0] = self._history[0]._replace(log=self._log)
         for _ in range(step):
             self._play_step()
         self._render()
@@ -271,8 +236,6 @@ class BlockTableTracer:
     def html(self) -> str:
         """The current view as an HTML string (what the widget shows, without its controls)."""
         return self.view.value
-
-    # internals --------------------------------------------------------------------------------------
 
     def _start(self) -> None:
         """A new cache and a history holding one step, the empty pool."""
@@ -282,7 +245,7 @@ class BlockTableTracer:
         self._next_id, self._selected, self._lookup, self._copied = 0, None, None, None
         self._log = f"Empty pool: {num_blocks} free blocks, no sequences."
         self._history: list[_Step] = []
-        self._at = -1
+        self._at = -1  # _record appends step 0
         self._record()
 
     def _record(self) -> None:
@@ -309,38 +272,32 @@ class BlockTableTracer:
         {"add": lambda: self.add_sequence(), "append": lambda: self.append(seq_id, n),
          "free": lambda: self.free(seq_id)}[op]()
         self._log = f"Scenario step {self._at}/{len(SCENARIO)}: {story}. {self._log}"
-        self._history[-1] = dataclasses.replace(self._history[-1], log=self._log)
+        self._history[-1] = self._history[-1]._replace(log=self._log)
         self._scripted = True
 
     def _write(self, seq_id: int, start: int, n: int) -> str:
-        """Write tokens ``start .. start+n-1`` of ``seq_id`` (token id = K = V = position); return the log
-        line: the arithmetic, the blocks taken (popped, or evicted from the cached free blocks), the copy."""
+        """Write tokens ``start .. start+n-1`` of ``seq_id`` (K = V = position); return the log line."""
         cache, bs, r = self.cache, self.cache.block_size, start % self.cache.block_size
         old, copies = list(cache.tables[seq_id]), cache.cow_copies
         refs = cache.ref_counts[old[-1]] if old else 0
         queued = set(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else set()
         # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p
         kv = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
-        ids = list(range(start, start + n)) if cache.prefix_cache is not None else None
-        if n == 1:
-            cache.append_token(seq_id, kv[:, 0], kv[:, 0], None if ids is None else ids[0])
+        if n == 1:  # token ids are positions too (prefix caching finds blocks by them)
+            cache.append_token(seq_id, kv[:, 0], kv[:, 0], start)
         else:
-            cache.append_tokens(seq_id, kv, kv, ids)
-        table, said = cache.tables[seq_id], []
+            cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))
+        table = cache.tables[seq_id]
         if cache.cow_copies > copies:
-            src, dst = self._copied = old[-1], table[len(old) - 1]
-            said.append(f"block {src} was shared ({refs} refs), so copy-on-write first copied its {r} "
-                        f"token{_s(range(r))} (K and V, every layer) to block {dst}"
-                        f"{' (evicted from the cached free blocks)' if dst in queued else ''}, the table now "
-                        f"names {dst} and block {src} keeps {refs - 1} ref{_s(range(refs - 1))}")
-        taken = table[len(old):]
-        popped, evicted = [b for b in taken if b not in queued], [b for b in taken if b in queued]
-        if popped:
-            said.append(f"{'a new block: ' * (n == 1)}{_ids(popped)} popped from the free stack")
-        if evicted:
-            said.append(f"cached {_ids(evicted)} evicted (the free stack was empty)")
-        if not said:
-            said.append(f"no new block: block {table[start // bs]} has room from offset {r}")
+            self._copied = (old[-1], table[len(old) - 1])
+        src, dst = self._copied or (None, None)
+        popped, evicted = ([b for b in table[len(old):] if (b in queued) == q] for q in (False, True))
+        said = [f"block {src} was shared ({refs} refs), so copy-on-write first copied its {r} "
+                f"token{_s(range(r))} (K and V, every layer) to block {dst}, the table now names {dst} and "
+                f"block {src} keeps {refs - 1} ref{_s(range(refs - 1))}" if src is not None else "",
+                f"{'a new block: ' * (n == 1)}{_ids(popped)} popped from the free stack" if popped else "",
+                f"cached {_ids(evicted)} evicted (the free stack was empty)" if evicted else ""]
+        said = [x for x in said if x] or [f"no new block: block {table[start // bs]} has room at offset {r}"]
         head = f"Position {start}: {start} % {bs} == {r}" if n == 1 else \
             f"Positions {start}..{start + n - 1} ({n} tokens) written at once"
         return f"{head}; {'; '.join(said)}; table of seq {seq_id} is now {table}, length {start + n}."
@@ -349,13 +306,11 @@ class BlockTableTracer:
         """Redraw the view and bring the controls in line with the state (without triggering them)."""
         self.view.value = render_html(self.cache, selected=self._selected, lookup=self._lookup,
                                       copied=self._copied, log=self._log, error=self._error)
-        self.history_view.value = render_history(self.history, self._at)
+        self.history_view.value = render_history([s.log for s in self._history], self._at)
         last = max(len(self._history) - 1, len(SCENARIO) if self._scripted else 0)
         self._syncing = True
         try:
-            options = [(f"seq {s}", s) for s in self.cache.tables]
-            if list(self.seq_picker.options) != options:
-                self.seq_picker.options = options
+            self.seq_picker.options = [(f"seq {s}", s) for s in self.cache.tables]
             self.seq_picker.value = self._selected
             if self._lookup is not None:
                 self.position.value = self._lookup[1]
@@ -366,66 +321,41 @@ class BlockTableTracer:
         finally:
             self._syncing = False
 
-    # controls ---------------------------------------------------------------------------------------
-
     def _build_widgets(self) -> None:
-        self.view, self.history_view = widgets.HTML(), widgets.HTML()
-        self.view.add_class("pt-view")
-        self.seq_picker = _styled(widgets.Dropdown(description="sequence", options=[], value=None), "pt-seq")
-        self.n_tokens = _styled(widgets.IntText(value=5, description="N"), "pt-n", "90px", "18px")
-        self.position = _styled(widgets.IntText(value=0, description="position"), "pt-pos")
-        for name, (label, icon, tooltip, click) in _BUTTONS.items():
-            button = widgets.Button(description=label, icon=icon, tooltip=tooltip, layout={"width": "auto"})
-            button.add_class("pt-" + name.removesuffix("_button").replace("_", "-"))
-            button.on_click(lambda _, click=click: self._from_ui(click, self))
-            setattr(self, name, button)
-        self.play = widgets.Play(value=0, min=0, max=len(SCENARIO), interval=900, show_repeat=False,
-                                 tooltip="play the scenario from an empty pool; pause; stop (empty pool)")
-        self.play.add_class("pt-play")
-        self.step_label = widgets.Label()
-        self.step_label.add_class("pt-step")
-        self.widget = widgets.VBox([
-            widgets.HBox([self.seq_picker, self.add_button, self.append_button, self.fork_button,
-                          self.free_button, self.reset_button]),
-            widgets.HBox([self.n_tokens, self.append_n_button, self.add_prompt_button, self.position,
-                          self.lookup_button]),
-            widgets.HBox([widgets.Label("scenario:"), self.play, self.back_button, self.forward_button,
-                          self.step_label]),
-            self.view, self.history_view,
-        ])
+        self.view, self.history_view, self.step_label = widgets.HTML(), widgets.HTML(), widgets.Label()
+        self.seq_picker = widgets.Dropdown(description="sequence", layout={"width": "180px"})
+        self.n_tokens = widgets.IntText(value=5, description="N", layout={"width": "90px"})
+        self.position = widgets.IntText(description="position", layout={"width": "180px"})
+        self.play = widgets.Play(max=len(SCENARIO), interval=900, show_repeat=False)
+        for name, (label, icon, click) in _BUTTONS.items():
+            setattr(self, name, widgets.Button(description=label, icon=icon, layout={"width": "auto"}))
+            getattr(self, name).on_click(lambda _, click=click: self._from_ui(click, self))
+        for name in ("view", "step_label", "seq_picker", "n_tokens", "position", "play", *_BUTTONS):
+            getattr(self, name).add_class("pt-" + name.removesuffix("_button").replace("_", "-"))
+        rows = [("seq_picker", "add_button", "append_button", "fork_button", "free_button", "reset_button"),
+                ("n_tokens", "append_n_button", "add_prompt_button", "position", "lookup_button"),
+                ("play", "back_button", "forward_button", "step_label")]
+        boxes = [widgets.HBox([getattr(self, name) for name in row]) for row in rows]
+        self.widget = widgets.VBox([*boxes, self.view, self.history_view])
         self.widget.add_class("pt-widget")
         self.seq_picker.observe(lambda c: c["new"] != self._selected and self._from_ui(self.select, c["new"]),
                                 names="value")
         self.position.observe(lambda c: self._from_ui(self.lookup, None, c["new"]), names="value")
-        self.play.observe(self._on_play, names="value")
+        # a tick of Play shows the step it points at; a step that fails stops the animation
+        self.play.observe(lambda c: self._from_ui(self.play_to, c["new"])
+                          or self.play.set_trait("playing", False), names="value")
 
     def _from_ui(self, action: Callable[..., Any], *args: Any) -> bool:
-        """Run an action for a control (not while ``_render`` syncs the controls); its error is already
-        shown in the view, so swallow it. Returns whether it succeeded."""
+        """Run an action for a control (unless ``_render`` is syncing them); the view shows its error."""
         try:
-            self._syncing or action(*args)
+            return self._syncing or action(*args) or True
         except _USER_ERRORS:
             return False
-        return True
-
-    def _on_play(self, change: dict[str, Any]) -> None:
-        """One tick of Play: show the step it now points at; a step that fails stops the animation."""
-        if not self._from_ui(self.play_to, change["new"]):
-            self.play.playing = False
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = (f"BlockTableTracer({self.cache.num_blocks} blocks, "
-                                f"block_size {self.cache.block_size})")
+        bundle["text/plain"] = "BlockTableTracer({} blocks, block_size {})".format(*self._geometry)
         return bundle
-
-
-def _styled(w: widgets.DOMWidget, css: str, width: str = "180px", label_width: str = "66px") -> Any:
-    """``w`` with a CSS class (for tests), a fixed width and a fixed label width."""
-    w.layout = widgets.Layout(width=width)
-    w.style.description_width = label_width
-    w.add_class(css)
-    return w
 
 
 def _s(items: Sequence[object]) -> str:
