@@ -222,7 +222,7 @@ def _row(head: str, lead: str, chips: Sequence[str], role: str) -> str:
 
 def _tables_panel(cache: PagedKVCache, entry: tuple[int, int] | None) -> str:
     """One row per sequence, ``seq 0 len 7 [5, 2]``: shared entries double-bordered, the lookup's ringed."""
-    rows = [_el("div", _HEAD, "Block tables"), _note("no sequences yet: press Add sequence") * (not cache.tables)]
+    rows = [_el("div", _HEAD, "Block tables"), _note("no sequences yet: add one") * (not cache.tables)]
     for s, table in cache.tables.items():
         color, n = owner_color(s), cache.seq_lens[s]
         entries = ", ".join(_chip(color, b, (s, i) == entry, cache.ref_counts[b] > 1, entry=i)
@@ -245,8 +245,8 @@ def _lookup_panel(bs: int, lookup: tuple[int, int], block: int) -> str:
 def _reads_panel(cache: PagedKVCache, seq: int) -> str:
     """The slots a decode step of ``seq`` reads, in order (``block.offset``); arrows: the next table entry."""
     n, color, bs = cache.seq_lens[seq], owner_color(seq), cache.block_size
-    chips = [_note("&rarr;") * (pos > 0 and pos % bs == 0) + _chip(color, f"{cache.tables[seq][pos // bs]}."
-             f"{pos % bs}", read=pos) for pos in range(n)]
+    chips = [f"{_note('&rarr;')} " * (pos > 0 and pos % bs == 0)
+             + _chip(color, f"{cache.tables[seq][pos // bs]}.{pos % bs}", read=pos) for pos in range(n)]
     head = _el("b", "", f"A decode step for seq {seq} reads {n} slots, in this order (block.offset):")
     body = " ".join(chips) or _note("nothing yet: the sequence holds no tokens")
     return _el("div", f"{_PANEL};{_FLEX}", f"{head} {body}", "pt-reads", role="reads")
