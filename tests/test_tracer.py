@@ -831,3 +831,21 @@ def test_the_view_reads_as_plain_text_in_a_static_page():
     tracer.fork(2)
     assert "block 2 · seq 2, 3 · 2 refs: t0 t1 t2 t3" in text_lines(tracer.html())
     assert "×" not in tracer.html()
+
+
+def test_the_readme_screenshot_state_comes_from_the_clicks_notebook_03_lists():
+    """``notebooks/images/tracer.png`` is taken by tests/test_browser.py after these same clicks."""
+    tracer = BlockTableTracer.article_trace()
+    tracer.append_button.click()
+    tracer.append_button.click()
+    tracer.add_button.click()
+    tracer.n_tokens.value = 5
+    tracer.append_n_button.click()
+    tracer.seq_picker.value = 0
+    tracer.position.value = 8
+    tracer.seq_picker.value = 1
+    tracer.fork_button.click()
+    tracer.append_button.click()
+    cache = tracer.cache
+    assert cache.tables == {0: [5, 2, 9], 1: [0, 1], 2: [0, 3]} and cache.cow_copies == 1
+    assert "copy of 1" in card(view(tracer), 3).all_text() and tracer.step == 8

@@ -244,8 +244,7 @@ class BlockTableTracer:
                                   free_order=self._free_order, enable_prefix_caching=self._prefix_caching)
         self._next_id, self._selected, self._lookup, self._copied = 0, None, None, None
         self._log = f"Empty pool: {num_blocks} free blocks, no sequences."
-        self._history: list[_Step] = []
-        self._at = -1  # _record appends step 0
+        self._history, self._at = [], -1  # _record appends step 0
         self._record()
 
     def _record(self) -> None:
@@ -322,7 +321,8 @@ class BlockTableTracer:
             self._syncing = False
 
     def _build_widgets(self) -> None:
-        self.view, self.history_view, self.step_label = widgets.HTML(), widgets.HTML(), widgets.Label()
+        self.view, self.history_view = widgets.HTML(), widgets.HTML()
+        self.step_label, self.scenario_label = widgets.Label(), widgets.Label("scenario (Play, Stop):")
         self.seq_picker = widgets.Dropdown(description="sequence", layout={"width": "180px"})
         self.n_tokens = widgets.IntText(value=5, description="N", layout={"width": "90px"})
         self.position = widgets.IntText(description="position", layout={"width": "180px"})
@@ -334,7 +334,7 @@ class BlockTableTracer:
             getattr(self, name).add_class("pt-" + name.removesuffix("_button").replace("_", "-"))
         rows = [("seq_picker", "add_button", "append_button", "fork_button", "free_button", "reset_button"),
                 ("n_tokens", "append_n_button", "add_prompt_button", "position", "lookup_button"),
-                ("play", "back_button", "forward_button", "step_label")]
+                ("scenario_label", "play", "back_button", "forward_button", "step_label")]
         boxes = [widgets.HBox([getattr(self, name) for name in row]) for row in rows]
         self.widget = widgets.VBox([*boxes, self.view, self.history_view])
         self.widget.add_class("pt-widget")

@@ -74,7 +74,7 @@ def render_html(cache: PagedKVCache, *, selected: int | None = None, lookup: tup
     drawable(cache)
     hit = cache.slot(*lookup) if lookup is not None else None
     entry = (lookup[0], lookup[1] // cache.block_size) if lookup is not None else None
-    side = _el("div", "flex:1 1 220px;min-width:220px", _free_panel(cache) + _tables_panel(cache, entry))
+    side = _el("div", "flex:1 1 220px", _free_panel(cache) + _tables_panel(cache, entry, selected))
     return _el("div", _ROOT, "".join([
         _el("div", _LOG, html.escape(log or "Ready."), "pt-log", role="log"),
         _el("div", _ERROR, html.escape(error), "pt-error", role="error") if error else "",
@@ -220,7 +220,7 @@ def _row(head: str, lead: str, chips: Sequence[str], role: str) -> str:
                                          role=role)
 
 
-def _tables_panel(cache: PagedKVCache, entry: tuple[int, int] | None) -> str:
+def _tables_panel(cache: PagedKVCache, entry: tuple[int, int] | None, selected: int | None) -> str:
     """One row per sequence, ``seq 0 len 7 [5, 2]``: shared entries double-bordered, the lookup's ringed."""
     rows = [_el("div", _HEAD, "Block tables"), _note("no sequences yet: add one") * (not cache.tables)]
     for s, table in cache.tables.items():
@@ -228,8 +228,9 @@ def _tables_panel(cache: PagedKVCache, entry: tuple[int, int] | None) -> str:
         entries = ", ".join(_chip(color, b, (s, i) == entry, cache.ref_counts[b] > 1, entry=i)
                             for i, b in enumerate(table))
         dot = _el("span", f"width:10px;height:10px;border-radius:5px;background:{color}")
-        rows.append(_el("div", f"{_FLEX};gap:5px;margin:0 0 4px;white-space:nowrap",
-                        f"{dot} <b>seq {s}</b> {_note(f'len {n}')} [{entries}]", "pt-table", seq=s, len=n))
+        rows.append(_el("div", f"{_FLEX};gap:5px;margin:0 0 4px;white-space:nowrap" + ";background:#E4EAF4" *
+                        (s == selected), f"{dot} <b>seq {s}</b> {_note(f'len {n}')} [{entries}]",
+                        "pt-table" + " is-selected" * (s == selected), seq=s, len=n))
     return "".join(rows)
 
 
