@@ -204,14 +204,14 @@ def _free_panel(cache: PagedKVCache) -> str:
     chips = [_el("span", f"{_CHIP};background:#fff;color:#333;border:" + ("2px solid #111;font-weight:700"
              if i == 0 else "1px solid #BBB"), str(b), "pt-chip" + " is-top" * (i == 0), free=b)
              for i, b in enumerate(free)]
-    out = _row(f"Free stack: {len(free)} blocks", "top (popped next) &rarr;" if free else
+    out = _row(f"Free stack: {len(free)} block{_s(free)}", "top (popped next) &rarr;" if free else
                "empty: no new block can be handed out", chips, "free-stack")
     if pc is None:
         return out
     style = f"{_CHIP};background:{CACHED_COLOR};color:#222;border:1px solid {CACHED_EDGE}"
     chips = [_el("span", style, str(b), "pt-chip", queued=b) for b in pc.free_queue]
-    return out + _row(f"Cached, free: {len(chips)} blocks", "evicted first, when the stack is empty &rarr;"
-                      if chips else "none: a freed full block waits here with its content", chips,
+    return out + _row(f"Cached, free: {len(chips)} block{_s(chips)}", "evicted first, when the stack is "
+                      "empty &rarr;" if chips else "none: a freed full block waits here, its K/V kept", chips,
                       "cached-queue")
 
 
