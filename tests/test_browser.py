@@ -236,8 +236,9 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
 
             # Forward plays the scenario one step at a time, Back returns; the log history follows
             step, history = widget.locator(".pt-step-label"), widget.locator("[data-role='history']")
-            for _ in range(3):
+            for k in range(1, 4):  # one click at a time: each waits for the kernel's answer
                 widget.locator(".widget-button.pt-forward").click()
+                expect(step).to_have_text(f"step {k} of 15")
             expect(view.locator("[data-role='log']")).to_contain_text("Scenario step 3/15")
             expect(step).to_have_text("step 3 of 15")
             expect(history.locator("[data-step]")).to_have_count(4)

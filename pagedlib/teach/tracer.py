@@ -324,7 +324,7 @@ class BlockTableTracer:
         self.view, self.history_view = widgets.HTML(), widgets.HTML()
         self.step_label, self.scenario_label = widgets.Label(), widgets.Label("scenario (Play, Stop):")
         self.seq_picker = widgets.Dropdown(description="sequence", layout={"width": "180px"})
-        self.n_tokens = widgets.IntText(value=5, description="N", layout={"width": "90px"})
+        self.n_tokens = widgets.IntText(value=5, description="N", layout={"width": "150px"})
         self.position = widgets.IntText(description="position", layout={"width": "180px"})
         self.play = widgets.Play(max=len(SCENARIO), interval=900, show_repeat=False)
         for name, (label, icon, click) in _BUTTONS.items():

@@ -36,7 +36,7 @@ _COPY, _COPY_EDGE = "#FFF1C2", "#B07D00"  # the block a copy-on-write just made
 
 def _hatch(color: str) -> str:
     """A slot its block holds but no token fills yet: hatched in the holder's colour."""
-    return f"background:repeating-linear-gradient(45deg,#fff 0 3px,{color}55 3px 6px);color:#999;" \
+    return f"background:repeating-linear-gradient(45deg,#fff 0 3px,{color}88 3px 6px);color:#999;" \
         f"border:1px solid {color}"
 
 
