@@ -89,7 +89,7 @@ def render_history(logs: Sequence[str], at: int) -> str:
     rows = [_el("div", "font-weight:700" if i == at else "color:#999" if i > at else "color:#444",
                 f"{i}. {html.escape(line)}", "pt-step" + " is-current" * (i == at), step=i)
             for i, line in reversed(list(enumerate(logs)))]
-    return _el("div", f"{_NOTE};max-height:9em;overflow-y:auto;{_PANEL}",
+    return _el("div", f"{_NOTE};line-height:1.35;max-height:9em;overflow-y:auto;{_PANEL}",
                _el("div", _HEAD, "Log, newest first") + "".join(rows), "pt-history", role="history")
 
 
