@@ -849,3 +849,31 @@ def test_the_readme_screenshot_state_comes_from_the_clicks_notebook_03_lists():
     cache = tracer.cache
     assert cache.tables == {0: [5, 2, 9], 1: [0, 1], 2: [0, 3]} and cache.cow_copies == 1
     assert "copy of 1" in card(view(tracer), 3).all_text() and tracer.step == 8
+
+
+@settings(max_examples=25, deadline=None)
+@given(prefix=st.booleans(), ops=st.lists(st.tuples(st.sampled_from(["prompt", "append", "fork", "free"]),
+                                                    st.integers(0, 9)), min_size=3, max_size=15))
+def test_walking_the_whole_history_back_and_forth_reproduces_every_step(prefix, ops):
+    """Each step is an immutable snapshot: later actions, Back and Forward never change an earlier one."""
+    tracer = BlockTableTracer(num_blocks=8, enable_prefix_caching=prefix)
+    seen = {0: (snapshot(tracer.cache), tracer.html())}
+    for op, x in ops:
+        live = list(tracer.cache.tables)
+        seq = live[x % len(live)] if live else None
+        try:
+            if op == "prompt" or seq is None:
+                tracer.add_sequence(x)
+            elif op == "append":
+                tracer.append(seq, 1 + x)
+            else:
+                (tracer.fork if op == "fork" else tracer.free)(seq)
+        except (ValueError, OutOfBlocksError):
+            continue
+        seen[tracer.step] = (snapshot(tracer.cache), tracer.html())
+    last = tracer.step
+    for at in [*range(last - 1, -1, -1), *range(1, last + 1)]:
+        tracer.back() if at < tracer.step else tracer.forward()
+        assert tracer.step == at
+        assert_unchanged(tracer.cache, seen[at][0])
+        assert tracer.html() == seen[at][1]
