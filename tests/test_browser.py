@@ -3,12 +3,16 @@
 The test writes a small notebook that builds the article's trace, runs all its cells in JupyterLab, clicks
 "Append token" across a block boundary and checks that the rendered pool shows block 9 leaving the free
 stack and joining seq 0's table; later it forks a sequence ("Fork") and appends to the child, and checks
-the shared block's count and the copy-on-write (the copied block, its highlight, the copy counter). On
-failure it saves a screenshot to ``test-artifacts/``.
+the shared block's count and the copy-on-write (the copied block, its highlight, the copy counter), the
+legend, then Play, Stop, Forward and Back over the scenario with the log history. On failure it saves a
+screenshot to ``test-artifacts/``.
 
 Outside CI the test skips (saying why) when Chromium or playwright is missing; with ``CI=true`` a missing
-browser is a failure. ``PAGEDLIB_TRACER_SCREENSHOT=<path.png>`` also saves the widget mid-trace there (how
-``notebooks/images/tracer.png`` is made).
+browser is a failure. ``PAGEDLIB_TRACER_SCREENSHOT=<path.png>`` also saves the widget mid-trace there,
+right after the fork's copy-on-write: that is how ``notebooks/images/tracer.png`` is made (notebook 03
+lists the same clicks):
+
+    PAGEDLIB_TRACER_SCREENSHOT=notebooks/images/tracer.png python -m pytest tests/test_browser.py
 """
 
 from __future__ import annotations
@@ -169,7 +173,7 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             expect(block9.locator("[data-slot='0']")).to_have_class("pt-slot is-filled is-lookup")
             expect(free_stack.locator("[data-free='9']")).to_have_count(0)
             expect(table0.locator("[data-entry]")).to_have_text(["5", "2", "9"])
-            expect(view.locator("[data-role='log']")).to_contain_text("8 % 4 == 0, so block 9 was popped")
+            expect(view.locator("[data-role='log']")).to_contain_text("8 % 4 == 0; a new block: block 9")
 
             # a second sequence, added and prompted through the buttons, takes the next blocks (0, 1)
             widget.locator(".widget-button.pt-add").click()
@@ -180,9 +184,9 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             expect(view.locator("[data-role='error']")).to_have_count(0)
 
             # back to seq 0 with the dropdown; the position box looks up token 8 (block 9, offset 0)
-            widget.locator(".pt-seq select").select_option(label="seq 0")
+            widget.locator(".pt-seq-picker select").select_option(label="seq 0")
             expect(view.locator("[data-seq='0']")).to_have_class("pt-table is-selected")
-            position = widget.locator(".pt-pos input")
+            position = widget.locator(".pt-position input")
             position.fill("8")
             position.press("Enter")
             expect(view.locator("[data-role='lookup']")).to_contain_text("8 // 4 = 2")
@@ -195,12 +199,12 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             expect(view.locator("[data-role='lookup']")).to_contain_text("physical block 9")
 
             # fork seq 1 (5 tokens: block 1 holds 1 of 4) into seq 2: both blocks shared, nothing copied
-            widget.locator(".pt-seq select").select_option(label="seq 1")
+            widget.locator(".pt-seq-picker select").select_option(label="seq 1")
             widget.locator(".widget-button.pt-fork").click()
             block1 = view.locator("[data-block='1']")
             expect(view.locator("[data-seq='2']")).to_have_attribute("data-len", "5")
             expect(block1).to_have_attribute("data-holders", "1 2")
-            expect(block1.locator(".pt-refs")).to_have_text("×2")
+            expect(block1.locator(".pt-refs")).to_have_text("2 refs")
             expect(view.locator("[data-role='counts']")).to_have_attribute("data-copies", "0")
             # seq 2's next token would land in shared block 1: it is copied first, to block 3 (the stack top)
             append.click()
@@ -214,6 +218,9 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             expect(block3.locator("[data-slot='1']")).to_have_text("s2:t5")
             expect(view.locator("[data-role='log']")).to_contain_text("block 1 was shared (2 refs)")
             expect(view.locator("[data-role='log']")).to_contain_text("to block 3")
+            legend = view.locator("[data-role='legend']")
+            for words in ("seq 2 (gold)", "double border: shared", "amber: just copied", "pink ring"):
+                expect(legend).to_contain_text(words)
 
             shot = os.environ.get("PAGEDLIB_TRACER_SCREENSHOT")
             if shot:
@@ -226,6 +233,20 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
             play_buttons.nth(1).click()
             expect(view.locator("[data-role='log']")).to_contain_text("Scenario ready")
             expect(view.locator("[data-holders='']")).to_have_count(12)
+
+            # Forward plays the scenario one step at a time, Back returns; the log history follows
+            step, history = widget.locator(".pt-step-label"), widget.locator("[data-role='history']")
+            for k in range(1, 4):  # one click at a time: each waits for the kernel's answer
+                widget.locator(".widget-button.pt-forward").click()
+                expect(step).to_have_text(f"step {k} of 15")
+            expect(view.locator("[data-role='log']")).to_contain_text("Scenario step 3/15")
+            expect(step).to_have_text("step 3 of 15")
+            expect(history.locator("[data-step]")).to_have_count(4)
+            widget.locator(".widget-button.pt-back").click()
+            expect(view.locator("[data-role='log']")).to_contain_text("Scenario step 2/15")
+            expect(view.locator("[data-seq='1']")).to_have_count(0)
+            expect(history.locator(".is-current")).to_have_attribute("data-step", "2")
+            expect(widget.locator(".widget-button.pt-forward")).to_be_enabled()
         except Exception:
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "browser-tracer-failure.png"), full_page=True)

@@ -147,7 +147,8 @@ def test_a_fresh_pool_shows_every_block_free_with_the_stack_top_marked():
     tracer = BlockTableTracer(num_blocks=5, block_size=3, free_order=[4])
     tree = view(tracer)
     assert holders(tree) == {b: "" for b in range(5)}
-    assert all(slot_labels(tree, b) == ["·"] * 3 for b in range(5))
+    runs = [n for n in tree.root.iter() if "pt-run" in n.classes]  # empty free blocks collapse into one run
+    assert len(runs) == 1 and " ".join(runs[0].all_text().split()) == "free, empty blocks: 0 1 2 3 4"
     top = [n for n in tree.one("data-role", "free-stack").iter() if "is-top" in n.classes]
     assert [n.attrs["data-free"] for n in top] == ["4"]
     assert tracer.selected is None and list(tracer.seq_picker.options) == []
@@ -173,7 +174,7 @@ def test_append_button_crosses_a_block_boundary_like_the_article():
     assert table_shown(tree, 0) == [5, 2, 9]
     assert slot_labels(tree, 9)[0] == "s0:t8"
     log = tree.one("data-role", "log").all_text()
-    assert "8 % 4 == 0" in log and "block 9 was popped" in log and "[5, 2, 9]" in log
+    assert "8 % 4 == 0; a new block: block 9 popped from the free stack" in log and "[5, 2, 9]" in log
     # the cache is real: token 8's K and V (written as its position) sit at block 9, offset 0
     assert cache.k[9, :, 0].eq(8).all() and cache.v[9, :, 0].eq(8).all()
     assert_view_matches_cache(tracer)
@@ -432,19 +433,20 @@ def test_html_is_deterministic_and_styled_inline():
     assert " id=" not in first and "<style" not in first
     # every drawn element carries its look inline (untrusted notebooks keep only inline styles)
     parts = [n for n in _Tree(first).root.iter() if any(c.startswith("pt-") for c in n.classes)]
-    assert len(parts) > 12 * 5 and all(n.attrs.get("style") for n in parts)
+    assert len(parts) > 40 and all(n.attrs.get("style") for n in parts)
 
 
 def test_a_shared_block_lists_its_holders_and_reference_count():
     """A block card takes all the sequences holding it: a shared one shows them and a ``×N`` badge."""
     block = _Tree(_block_card(3, [0, 2], ["t4", "t5", "", ""])).one("data-block", "3")
     assert block.attrs["data-holders"] == "0 2" and block.attrs["data-refs"] == "2"
-    assert "is-shared" in block.classes and "border:2px solid #111" in block.attrs["style"]
-    assert "seq 0, 2×2" in block.all_text()
+    assert "is-shared" in block.classes and "border:4px double #111" in block.attrs["style"]
+    assert "seq 0, 2 · 2 refs" in block.all_text()
     many = _Tree(_block_card(3, [0, 1, 2, 3, 4], ["t4"])).one("data-block", "3")
-    assert "seq 0, 1, 2, +2×5" in many.all_text() and many.attrs["title"] == "held by seq 0, 1, 2, 3, 4"
+    assert "seq 0, 1, 2, +2 · 5 refs" in many.all_text()
+    assert many.attrs["title"] == "held by seq 0, 1, 2, 3, 4"
     alone = _Tree(_block_card(3, [1], ["s1:t4"])).one("data-block", "3")
-    assert "is-shared" not in alone.classes and "×" not in alone.all_text()
+    assert "is-shared" not in alone.classes and "refs" not in alone.all_text()
     assert _Tree(_block_card(3, [], ["", ""])).one("data-block", "3").attrs["data-holders"] == ""
 
 
@@ -460,13 +462,13 @@ def test_render_html_draws_shared_and_cached_free_blocks_of_a_cache_built_direct
     cache.free_sequence(2)  # block 2 (full) waits in the cached queue, block 3 goes on the stack
     tree = _Tree(render_html(cache))
     for b in (0, 1):
-        assert card(tree, b).attrs["data-holders"] == "0 1" and "×2" in card(tree, b).all_text()
+        assert card(tree, b).attrs["data-holders"] == "0 1" and "2 refs" in card(tree, b).all_text()
     assert slot_labels(tree, 1) == ["t2", "·"]
     cached, plain = card(tree, 2), card(tree, 3)
     assert "is-cached" in cached.classes and CACHED_COLOR in cached.attrs["style"]
-    assert "cached, free" in cached.all_text() and slot_labels(tree, 2) == ["t0", "t1"], "its content stays"
+    assert "free, content cached" in cached.all_text() and slot_labels(tree, 2) == ["t0", "t1"], "kept"
     assert "is-cached" not in plain.classes and CACHED_COLOR not in plain.attrs["style"]
-    assert FREE_COLOR in plain.attrs["style"] and slot_labels(tree, 3) == ["·", "·"]
+    assert FREE_COLOR in plain.attrs["style"] and slot_labels(tree, 3) == [], "empty and free: in a run"
     assert queue_shown(tree) == [2] and free_stack_shown(tree)[0] == 3
     counts = " ".join(tree.one("data-role", "counts").all_text().split())
     assert "2 blocks used (2 shared), 4 free (1 cached)" in counts and "copies: 0" in counts
@@ -516,7 +518,7 @@ def test_fork_and_copy_on_write_through_the_buttons():
     assert cache.ref_counts[:3] == [2, 2, 0] and cache.cow_copies == 0
     assert torch.equal(cache.k, pools[0]) and torch.equal(cache.v, pools[1]), "a fork copies no K/V"
     assert holders(tree)[0] == holders(tree)[1] == "0 1"
-    assert "×2" in card(tree, 1).all_text() and slot_labels(tree, 1) == ["t4", "t5", "·", "·"]
+    assert "2 refs" in card(tree, 1).all_text() and slot_labels(tree, 1) == ["t4", "t5", "·", "·"]
     assert all("is-shared" in n.classes for n in tree.one("data-seq", "1").iter() if "data-entry" in n.attrs)
     assert "Forked seq 0 into seq 1" in log_shown(tracer) and "copy-on-write" in log_shown(tracer)
     assert_view_matches_cache(tracer)
@@ -534,7 +536,7 @@ def test_fork_and_copy_on_write_through_the_buttons():
     assert [n.attrs["data-block"] for n in tree.find("data-block") if "is-copy" in n.classes] == ["2"]
     log = log_shown(tracer)
     assert "block 1 was shared (2 refs)" in log and "copied its 2 tokens" in log and "to block 2" in log
-    assert "offset 2 of block 2" in log and "block 1 keeps 1 ref" in log
+    assert "the table now names 2 and block 1 keeps 1 ref" in log
     assert tree.one("data-role", "counts").attrs["data-copies"] == "1"
     assert "copy-on-write copies: 1" in tree.one("data-role", "counts").all_text()
     assert_view_matches_cache(tracer)
@@ -547,7 +549,7 @@ def test_fork_and_copy_on_write_through_the_buttons():
     assert_view_matches_cache(tracer)
 
     tracer.free_button.click()  # seq 0: block 0 stays for seq 1, block 1 is free
-    assert cache.ref_counts[:2] == [1, 0] and "block 0 stays" in log_shown(tracer)
+    assert cache.ref_counts[:2] == [1, 0] and "block 0 still held by other sequences" in log_shown(tracer)
     assert_view_matches_cache(tracer)
 
 
@@ -597,7 +599,7 @@ def test_a_failed_fork_or_copy_on_write_changes_nothing():
     many.fork_button.click()
     assert f"at most {MAX_SEQUENCES} sequences" in error_shown(many)
     assert len(many.cache.tables) == MAX_SEQUENCES and many.cache.ref_count(0) == MAX_SEQUENCES
-    assert f"seq 0, 1, 2, +{MAX_SEQUENCES - 3}×{MAX_SEQUENCES}" in card(view(many), 0).all_text()
+    assert f"seq 0, 1, 2, +{MAX_SEQUENCES - 3} · {MAX_SEQUENCES} refs" in card(view(many), 0).all_text()
 
 
 def test_prefix_caching_hits_cached_free_blocks_and_eviction():
@@ -619,7 +621,7 @@ def test_prefix_caching_hits_cached_free_blocks_and_eviction():
     tracer.free(1)  # now 0 and 1 keep their K/V, free but findable; block 3 goes on the stack
     tree = view(tracer)
     assert list(cache.prefix_cache.free_queue) == [1, 0] and cache.num_free_blocks == 12
-    assert "blocks 0, 1 keep their K/V as cached free blocks" in log_shown(tracer)
+    assert "blocks 0, 1 kept as cached free: the K/V stay findable" in log_shown(tracer)
     for b in (0, 1):
         assert "is-cached" in card(tree, b).classes and CACHED_COLOR in card(tree, b).attrs["style"]
     assert slot_labels(tree, 1) == ["t4", "t5", "t6", "t7"]
@@ -636,7 +638,7 @@ def test_prefix_caching_hits_cached_free_blocks_and_eviction():
     small.free(small.add_sequence(8))  # blocks 0, 1 wait in the queue (1 evicted first), 2 on the stack
     small.append(small.add_sequence(), 12)  # no lookup: pops 2, then evicts 1 and 0
     assert small.cache.tables[1] == [2, 1, 0] and small.cache.prefix_cache_stats()["evicted_blocks"] == 2
-    assert "blocks [1, 0] evicted from the cached free blocks" in log_shown(small)
+    assert "cached blocks 1, 0 evicted (the free stack was empty)" in log_shown(small)
     assert_view_matches_cache(small)
 
 
@@ -659,7 +661,8 @@ def test_a_prompt_that_does_not_fit_changes_nothing_even_after_a_hit():
 
 @settings(max_examples=80, deadline=None)
 @given(prefix=st.booleans(), ops=st.lists(st.tuples(st.sampled_from(
-    ["prompt", "prompt", "append", "append_n", "fork", "free", "select"]), st.integers(0, 12)),
+    ["prompt", "prompt", "append", "append_n", "fork", "free", "select", "back", "forward"]),
+    st.integers(0, 12)),
     min_size=8, max_size=30))
 def test_random_clicks_keep_the_view_and_the_cache_in_agreement(prefix, ops):
     """Any sequence of clicks: each succeeds or changes nothing, and the picture always matches the cache."""
@@ -673,7 +676,8 @@ def test_random_clicks_keep_the_view_and_the_cache_in_agreement(prefix, ops):
             continue
         button = {"add": tracer.add_button, "prompt": tracer.add_prompt_button, "fork": tracer.fork_button,
                   "append": tracer.append_button, "append_n": tracer.append_n_button,
-                  "free": tracer.free_button, "select": tracer.add_button}[op]
+                  "free": tracer.free_button, "select": tracer.add_button, "back": tracer.back_button,
+                  "forward": tracer.forward_button}[op]
         button.click()
         if view(tracer).find("data-role", "error"):
             assert_unchanged(tracer.cache, before)
@@ -682,3 +686,194 @@ def test_random_clicks_keep_the_view_and_the_cache_in_agreement(prefix, ops):
     cache, stats = tracer.cache, tracer.cache.prefix_cache_stats()  # pytest --hypothesis-show-statistics
     event(f"copy-on-write: {cache.cow_copies > 0}, prefix hits: {stats['hit_tokens'] > 0}, "
           f"evictions: {stats['evicted_blocks'] > 0}")
+
+
+def text_lines(html: str) -> list[str]:
+    """The view as a static page without styles shows it: one line per block element, whitespace collapsed."""
+    lines = [""]
+
+    class Text(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            lines.append("") if tag == "div" else None
+
+        def handle_endtag(self, tag):
+            lines.append("") if tag == "div" else None
+
+        def handle_data(self, data):
+            lines[-1] += data
+
+    Text().feed(html)
+    return [" ".join(line.split()) for line in lines if line.strip()]
+
+
+def test_back_and_forward_walk_a_history_of_unchanging_snapshots():
+    tracer = BlockTableTracer.article_trace()
+    states = [(snapshot(tracer.cache), tracer.html())]
+    for act in (lambda: tracer.append(0), lambda: tracer.fork(0), lambda: tracer.append(1, 2),
+                lambda: tracer.free(0)):
+        act()
+        states.append((snapshot(tracer.cache), tracer.html()))
+    assert tracer.step == 6 and tracer.forward_button.disabled and not tracer.back_button.disabled
+    for at in range(5, 1, -1):  # back to the article's state, one step at a time
+        tracer.back_button.click()
+        assert tracer.step == at
+        assert_unchanged(tracer.cache, states[at - 2][0])
+        assert tracer.html() == states[at - 2][1]
+        assert_view_matches_cache(tracer)
+    tracer.append(0, 3)  # a change to the restored cache: the snapshots it came from stay as they were
+    tracer.back()
+    assert_unchanged(tracer.cache, states[0][0])
+    assert tracer.step_label.value == "step 2 of 3", "the new action replaced the steps after it"
+    tracer.forward()
+    assert tracer.cache.seq_lens[0] == 10 and tracer.forward_button.disabled
+    before, shown = snapshot(tracer.cache), shown_state(tracer)
+    with pytest.raises(ValueError, match="no step 4 to go to: the history holds steps 0 to 3"):
+        tracer.forward()
+    assert_unchanged(tracer.cache, before)
+    assert shown_state(tracer) == shown
+    for _ in range(3):
+        tracer.back()
+    assert tracer.cache.tables == {} and tracer.back_button.disabled
+    with pytest.raises(ValueError, match="no step -1"):
+        tracer.back()
+    history = view_history(tracer)
+    assert [int(n.attrs["data-step"]) for n in history] == [3, 2, 1, 0], "newest first"
+    assert "is-current" in history[-1].classes and "Empty pool" in history[-1].all_text()
+
+
+def view_history(tracer: BlockTableTracer) -> list[_Node]:
+    return [n for n in _Tree(tracer.history_view.value).root.iter() if "data-step" in n.attrs]
+
+
+def test_any_scenario_step_can_be_reached_without_timing():
+    """Exercise 5 of notebook 03 stops at step 11: Play, then Back or Forward, lands there exactly."""
+    direct = BlockTableTracer()
+    direct.play_to(11)
+    played = BlockTableTracer()
+    played.play.value = len(SCENARIO)  # what Play's last tick does
+    for _ in range(4):
+        played.back_button.click()
+    paused = BlockTableTracer()
+    paused.play.value = 8  # paused early: Forward plays the next scenario steps
+    for _ in range(3):
+        paused.forward_button.click()
+    for tracer in (played, paused):
+        assert tracer.step == 11 and tracer.play.value == 11
+        assert_unchanged(tracer.cache, snapshot(direct.cache))
+        assert tracer.html() == direct.html()
+        assert "Scenario step 11/15: seq 1 finishes" in log_shown(tracer)
+        assert tracer.step_label.value == "step 11 of 15"
+    paused.append(0)  # a step off the script: the scenario's later steps are gone
+    assert paused.forward_button.disabled and paused.step_label.value == "step 12 of 12"
+
+
+def test_the_lookup_and_the_reads_always_show_the_selected_sequence():
+    tracer = BlockTableTracer()
+    tracer.add_sequence(6)
+    tracer.lookup(0, 2)
+    tracer.fork()  # the child is selected: the lookup moves to its last token
+    for role in ("lookup", "reads"):
+        assert "seq 1" in view(tracer).one("data-role", role).all_text()
+    assert tracer.position.value == 5
+    tracer.seq_picker.value = 0
+    assert "Lookup of seq 0, position 5" in view(tracer).one("data-role", "lookup").all_text()
+    tracer.free(0)
+    assert tracer.selected == 1 and "Lookup of seq 1" in view(tracer).one("data-role", "lookup").all_text()
+
+
+def test_the_legend_explains_every_colour_and_mark():
+    tracer = BlockTableTracer()
+    tracer.add_sequence(6)
+    tracer.fork()
+    tracer.append(1)  # a copy, a shared block, a lookup, hatched empty slots
+    legend = " ".join(view(tracer).one("data-role", "legend").all_text().split())
+    for words in ("seq 0 (blue)", "seq 1 (orange)", "grey: free", "hatched: held, not yet written",
+                  "double border: shared", "amber: just copied", "pink ring: the lookup"):
+        assert words in legend
+    assert "green" not in legend, "no prefix cache: no cached free blocks to explain"
+    assert "green: free, content cached" in view(BlockTableTracer(enable_prefix_caching=True)).one(
+        "data-role", "legend").all_text()
+    shared, looked_up = card(view(tracer), 0), card(view(tracer), 2)
+    assert "double" in shared.attrs["style"] and "outline" not in shared.attrs["style"]
+    assert "outline:3px solid" in looked_up.attrs["style"] and "double" not in looked_up.attrs["style"]
+    tracer.lookup(1, 1)  # a ringed entry of a shared block: both marks, each its own
+    chip = next(n for n in view(tracer).one("data-seq", "1").iter() if "is-lookup" in n.classes)
+    assert "double" in chip.attrs["style"] and "outline:3px solid" in chip.attrs["style"]
+
+
+def test_no_sequence_colour_can_be_taken_for_a_cached_free_block():
+    import colorsys
+
+    from pagedlib.teach.colors import CACHED_EDGE, OWNER_COLORS, OWNER_NAMES
+
+    def hsv(color: str) -> tuple[float, float, float]:
+        return colorsys.rgb_to_hsv(*(int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)))
+
+    green = hsv(CACHED_EDGE)[0] * 360
+    for color, name in zip(OWNER_COLORS, OWNER_NAMES, strict=True):
+        hue, saturation, _ = hsv(color)
+        assert saturation < 0.1 or abs(hue * 360 - green) > 45, f"{name} {color} looks like cached green"
+
+
+def test_the_view_reads_as_plain_text_in_a_static_page():
+    """GitHub drops the styles: ids must stay apart, the stack top come first, empty free blocks collapse."""
+    tracer = BlockTableTracer()
+    tracer.play_to(len(SCENARIO))
+    lines = text_lines(tracer.html())
+    assert len(lines) <= 25, lines
+    stack = lines[lines.index(f"Free stack: {len(tracer.cache.free)} blocks") + 1]
+    assert stack == "top (popped next) → " + " ".join(map(str, tracer.cache.free[::-1]))
+    assert "seq 2 len 9 [2, 3, 5]" in lines and "seq 0 len 10 [0, 1, 4]" in lines
+    assert "free, empty blocks: 6 7 8 9 10 11" in lines, "a run of empty free blocks is one line"
+    assert any(line.startswith("block 5 · seq 2: s2:t8 · · ·") for line in lines)
+    reads = next(line for line in lines if line.startswith("A decode step for seq 2"))
+    assert reads.endswith("2.0 2.1 2.2 2.3 → 3.0 3.1 3.2 3.3 → 5.0")
+    tracer.fork(2)
+    assert "block 2 · seq 2, 3 · 2 refs: t0 t1 t2 t3" in text_lines(tracer.html())
+    assert "×" not in tracer.html()
+
+
+def test_the_readme_screenshot_state_comes_from_the_clicks_notebook_03_lists():
+    """``notebooks/images/tracer.png`` is taken by tests/test_browser.py after these same clicks."""
+    tracer = BlockTableTracer.article_trace()
+    tracer.append_button.click()
+    tracer.append_button.click()
+    tracer.add_button.click()
+    tracer.n_tokens.value = 5
+    tracer.append_n_button.click()
+    tracer.seq_picker.value = 0
+    tracer.position.value = 8
+    tracer.seq_picker.value = 1
+    tracer.fork_button.click()
+    tracer.append_button.click()
+    cache = tracer.cache
+    assert cache.tables == {0: [5, 2, 9], 1: [0, 1], 2: [0, 3]} and cache.cow_copies == 1
+    assert "copy of 1" in card(view(tracer), 3).all_text() and tracer.step == 8
+
+
+@settings(max_examples=25, deadline=None)
+@given(prefix=st.booleans(), ops=st.lists(st.tuples(st.sampled_from(["prompt", "append", "fork", "free"]),
+                                                    st.integers(0, 9)), min_size=3, max_size=15))
+def test_walking_the_whole_history_back_and_forth_reproduces_every_step(prefix, ops):
+    """Each step is an immutable snapshot: later actions, Back and Forward never change an earlier one."""
+    tracer = BlockTableTracer(num_blocks=8, enable_prefix_caching=prefix)
+    seen = {0: (snapshot(tracer.cache), tracer.html())}
+    for op, x in ops:
+        live = list(tracer.cache.tables)
+        seq = live[x % len(live)] if live else None
+        try:
+            if op == "prompt" or seq is None:
+                tracer.add_sequence(x)
+            elif op == "append":
+                tracer.append(seq, 1 + x)
+            else:
+                (tracer.fork if op == "fork" else tracer.free)(seq)
+        except (ValueError, OutOfBlocksError):
+            continue
+        seen[tracer.step] = (snapshot(tracer.cache), tracer.html())
+    last = tracer.step
+    for at in [*range(last - 1, -1, -1), *range(1, last + 1)]:
+        tracer.back() if at < tracer.step else tracer.forward()
+        assert tracer.step == at
+        assert_unchanged(tracer.cache, seen[at][0])
+        assert tracer.html() == seen[at][1]

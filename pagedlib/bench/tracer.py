@@ -1,8 +1,9 @@
 """``python -m pagedlib.bench tracer``: how long one click of the tracer widget takes to re-render.
 
-Each click goes through the widget's own button handler: a real ``PagedKVCache`` call, then the
-whole view rendered to HTML. The last row renders the largest view the tracer allows (``MAX_SLOTS``
-slots, all filled), the worst case of a click. (In a browser, the kernel round trip comes on top.)
+Each click goes through the widget's own button handler: a real ``PagedKVCache`` call, a snapshot for
+the history (Back / Forward), then the whole view rendered to HTML. The last row renders the largest view
+the tracer allows (``MAX_SLOTS`` slots, all filled), the worst case of a click. (In a browser, the kernel
+round trip comes on top.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """The course's colours, shared by the matplotlib figures (``plots``) and the tracer widget's HTML
-(``tracer``), so a sequence has the same colour in every picture. Plain strings: no matplotlib here."""
+(``tracer_view``), so a sequence has the same colour in every picture. Plain strings: no matplotlib here.
+
+The sequence palette holds no green: green means a cached free block (prefix caching, notebook 06)."""
 
 from __future__ import annotations
 
-# sequence i gets OWNER_COLORS[i % len(OWNER_COLORS)]; free blocks are FREE_COLOR
-OWNER_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+# sequence i gets OWNER_COLORS[i % len(OWNER_COLORS)], named OWNER_NAMES[i % 8] where text must say it
+OWNER_COLORS = ("#4C72B0", "#DD8452", "#B8860B", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+OWNER_NAMES = ("blue", "orange", "gold", "red", "purple", "brown", "pink", "grey")
 FREE_COLOR = "#EEEEEE"
 CACHED_COLOR = "#CDE8CD"  # a free block whose content prefix caching keeps (notebook 06)
 CACHED_EDGE = "#6AAA6A"   # its border and kept slots in the tracer widget

@@ -1,0 +1,93 @@
+"""Argument checks of the tracer widget (``tracer``, ``tracer_view``): each public method spends one line
+on them, and each error names its argument. Nothing here changes any state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pagedlib.checks import as_int, ceil_div
+from pagedlib.core.cache import OutOfBlocksError, UnknownSequenceError
+
+# The view draws every slot and every sequence; beyond these it refuses (a 20,000-block pool would be
+# tens of MiB of HTML per click). The largest view allowed is ~0.3 MiB.
+MAX_SLOTS = 512       # num_blocks * block_size
+MAX_SEQUENCES = 32    # live sequences
+
+
+def geometry(num_blocks: object, block_size: object) -> tuple[int, int]:
+    """``(num_blocks, block_size)`` as ints, small enough that every slot can be drawn."""
+    num_blocks = as_int("num_blocks", num_blocks, minimum=1)
+    block_size = as_int("block_size", block_size, minimum=1)
+    if num_blocks * block_size > MAX_SLOTS:
+        raise ValueError(f"num_blocks * block_size must be <= {MAX_SLOTS} (the tracer draws every "
+                         f"slot), got {num_blocks} * {block_size} = {num_blocks * block_size}")
+    return num_blocks, block_size
+
+
+def drawable(cache: Any) -> None:
+    """``render_html`` draws every slot and sequence, and prints sequence ids as they are (ints only)."""
+    slots, seqs = cache.num_blocks * cache.block_size, len(cache.tables)
+    if slots > MAX_SLOTS or seqs > MAX_SEQUENCES:
+        raise ValueError(f"render_html draws every slot and sequence: at most {MAX_SLOTS} slots and "
+                         f"{MAX_SEQUENCES} sequences, got a cache with {slots} slots and {seqs} sequences")
+    for s in cache.tables:
+        as_int("sequence id", s)
+
+
+def target(seq_id: object, selected: int | None, tables: Mapping[int, list[int]]) -> int:
+    """The sequence an action applies to: ``seq_id`` or, if ``None``, the selected one."""
+    if seq_id is None:
+        if selected is None:
+            raise ValueError("no sequence selected: press Add sequence first, or pass seq_id")
+        return selected
+    seq_id = as_int("seq_id", seq_id)
+    if seq_id not in tables:
+        raise UnknownSequenceError(seq_id, tables)
+    return seq_id
+
+
+def room(tables: Mapping[int, list[int]]) -> None:
+    """A new sequence must still fit on screen."""
+    if len(tables) >= MAX_SEQUENCES:
+        raise ValueError(f"the tracer shows at most {MAX_SEQUENCES} sequences: free one first")
+
+
+def new_prompt(cache: Any, seq_id: int, prompt_len: object) -> tuple[int, list[int]]:
+    """``(prompt_len, the cached blocks it would attach)`` for a new sequence, once it is sure to fit."""
+    room(cache.tables)
+    n = tokens("prompt_len", prompt_len, cache, minimum=0)
+    return n, prompt_fits(cache, seq_id, n)
+
+
+def tokens(name: str, n: object, cache: Any, minimum: int) -> int:
+    """A token count, at most the pool's slots (checked before any K/V is built for it)."""
+    return as_int(name, n, minimum=minimum, maximum=cache.num_blocks * cache.block_size)
+
+
+def step(value: object, last: int) -> int:
+    """A step number of the scenario, ``0 .. last``."""
+    return as_int("step", value, minimum=0, maximum=last)
+
+
+def history_step(at: int, last: int) -> int:
+    """A step the history holds (Back at step 0, or Forward past the last step, has none)."""
+    if not 0 <= at <= last:
+        raise ValueError(f"no step {at} to go to: the history holds steps 0 to {last}")
+    return at
+
+
+def prompt_fits(cache: Any, seq_id: int, n: int) -> list[int]:
+    """The cached blocks a prompt of ``n`` tokens (ids ``0 .. n-1``) would attach, looked up without
+    counting a query; ``OutOfBlocksError`` if the rest needs more blocks than are free once those are
+    attached (a cached block waiting in the free queue stops being free)."""
+    pc = cache.prefix_cache
+    found = pc.peek(range(n)) if pc is not None and n else []
+    need = ceil_div(n, cache.block_size) - len(found)
+    free = cache.num_free_blocks - sum(b in pc.free_queue for b in found) if found else cache.num_free_blocks
+    if need > free:
+        hit = len(found) * cache.block_size
+        what = (f"the last {n - hit} tokens of a {n}-token prompt of sequence {seq_id} (the first {hit} "
+                f"are cached)" if found else f"a {n}-token prompt of sequence {seq_id}")
+        raise OutOfBlocksError(need, free, what)
+    return found
