@@ -359,7 +359,7 @@ def plot_serving_timeline(results: list) -> Figure:
     and the number of running requests (bottom); long runs are drawn at every k-th step."""
     import numpy as np
 
-    from pagedlib.core.scheduler import CATEGORIES
+    from pagedlib.sim.simulate import CATEGORIES
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.0), sharex=True, layout="constrained")
     for r in results:
