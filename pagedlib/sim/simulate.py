@@ -67,7 +67,7 @@ class SimResult:
     mean_latency: float                   # steps from arrival to the last token, averaged
     leaked_blocks: int
     prefix_cache_hit_rate: float | None   # tokens found / tokens looked up at admission; None: caching off
-    series: dict[str, np.ndarray]         # per step: step, running, waiting, CATEGORIES, free (slots)
+    series: dict[str, np.ndarray]         # per step: step, running, waiting, preempted, CATEGORIES, free
     requests: list[RequestResult]
     occupancy: Occupancy | None = None
     prefill_tokens: int = 0               # K/V computed by prefills (recomputes included, cache hits not)
@@ -196,7 +196,7 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
     """Serve ``requests``: the per-step series, the finished requests' results and the pool pictures."""
     from tqdm.auto import tqdm
 
-    series = {k: [] for k in ("step", "running", "waiting", *CATEGORIES, "free")}
+    series = {k: [] for k in ("step", "running", "waiting", "preempted", *CATEGORIES, "free")}
     first, preempted, done, pictures = {}, Counter(), [], []
     arrivals, step = deque(requests), 0
     with tqdm(total=len(requests), disable=not progress, desc=sched.policy, unit="req") as bar:
@@ -209,8 +209,8 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
             write_fake_kv(sched, plan)
             first.update((r.req_id, step) for r, _ in plan.prefill if r.req_id not in first)
             preempted.update(r.req_id for r in plan.preempted)
-            now = {"step": step, "running": len(sched.running), "waiting": len(sched.waiting),
-                   "free": free_slots(sched), **slot_breakdown(sched, plan.blocked)}
+            now = {"step": step, "running": len(sched.running), "waiting": len(sched.waiting), "preempted":
+                   len(plan.preempted), "free": free_slots(sched), **slot_breakdown(sched, plan.blocked)}
             for k, column in series.items():
                 column.append(now[k])
             if occupancy:
