@@ -124,6 +124,7 @@ def test_simulate_accounts_for_every_slot(requests, cfg):
     assert (s["external"] + s["other"] <= s["free"]).all()
     assert abs(sum(r.breakdown[k] for k in CATEGORIES) - 1) < 1e-9
     assert r.preemptions == 0 or cfg["policy"] == "paged"
+    assert s["preempted"].sum() == r.preemptions                       # the per-step marks of the figures
     assert r.prefill_tokens + r.cached_tokens >= sum(q.prompt_len for q in requests)
     if cfg["caching"]:  # every token of an admission is looked up: found (cached) or computed (prefill)
         assert r.cached_tokens % cfg["block_size"] == 0

@@ -35,7 +35,7 @@ class StepPlan:
 
 class Scheduler:
     """Continuous batching over ``cache``: requests join and leave the batch every step. Under a slab budget
-    the cache needs ``kv_budget_blocks + max_num_seqs`` blocks (a slab's tokens straddle one block more).
+    the cache needs ``kv_budget_blocks + max_num_seqs`` blocks (a slab's tokens can straddle one block more).
     Prefix caching needs ``token_ids(request, n)``: the request's first ``n`` ids (prompt, then output)."""
 
     def __init__(self, cache: PagedKVCache, *, policy: str = "paged", max_num_seqs: int = 256,

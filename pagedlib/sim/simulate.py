@@ -19,10 +19,9 @@ from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.sim._checks import check_simulate
 from pagedlib.sim.workloads import fake_token_ids
 
-#: Where a slot of the budget goes: ``token`` holds a token's K/V; ``reservation`` is set aside for a token
-#: the request will still write; ``internal`` is set aside but never written; ``external`` is free while a
-#: request waits although enough slots are free in total (no hole is large enough); ``other`` is free while
-#: a request waits and too little in total (or held back by the paged policy's watermark).
+#: Where a slot goes: ``token`` holds a token's K/V; ``reservation``: set aside for a token still to come;
+#: ``internal``: set aside, never written; free while a request waits: ``external`` if enough slots are free
+#: in total (no hole is large enough), else ``other`` (too few, or the paged policy's watermark).
 CATEGORIES = ("token", "reservation", "internal", "external", "other")
 
 
@@ -55,7 +54,6 @@ class SimResult:
     policy: str
     block_size: int
     kv_budget_blocks: int
-    num_requests: int
     steps: int                            # steps simulated (idle stretches before an arrival are skipped)
     kv_utilization: float                 # token / all categories
     breakdown: dict[str, float]           # CATEGORIES -> fraction, summing to 1
@@ -123,8 +121,8 @@ def slot_breakdown(sched: Scheduler, blocked: bool) -> dict[str, int]:
 
 
 def free_slots(sched: Scheduler) -> int:
-    slab = isinstance(sched.budget, SlabBudget)
-    return sched.budget.free_slots if slab else sched.cache.num_free_blocks * sched.block_size
+    b = sched.budget
+    return b.free_slots if isinstance(b, SlabBudget) else sched.cache.num_free_blocks * sched.block_size
 
 
 def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
@@ -235,7 +233,7 @@ def _result(sched: Scheduler, series: dict, done: list[RequestResult], pictures:
     running = series["running"]
     return SimResult(
         policy=sched.policy, block_size=sched.block_size, kv_budget_blocks=sched.kv_budget_blocks,
-        num_requests=len(done), steps=len(running), kv_utilization=breakdown["token"], breakdown=breakdown,
+        steps=len(running), kv_utilization=breakdown["token"], breakdown=breakdown,
         mean_running=float(running.mean()) if len(running) else 0.0,
         peak_running=int(running.max()) if len(running) else 0,
         preemptions=sched.num_preemptions, recomputed_tokens=sched.recomputed_tokens,
