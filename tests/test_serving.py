@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedlib.bench.__main__ import main as bench_main
-from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.budgets import POLICIES, FirstFit
+from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.scheduler import Request, Scheduler
 from pagedlib.sim.simulate import CATEGORIES, simulate, write_fake_kv
 from pagedlib.sim.workloads import alpaca_like, fake_token_ids, shared_prompt_like, sharegpt_like

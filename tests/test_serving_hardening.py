@@ -180,6 +180,12 @@ def test_the_largest_accepted_values_work():
     assert sharegpt_like(3, rate=1e-12)[-1].arrival > 10**12
 
 
+def test_a_budget_beyond_int32_slots_is_refused_by_name():
+    for budget, block_size in ((2**31, 1), (2**27, 16)):
+        with pytest.raises(ValueError, match="^kv_budget_blocks"):
+            simulate(sharegpt_like(2), "paged", budget, block_size)
+
+
 @pytest.mark.parametrize("bad", [{"prompt_mean": -1.0}, {"output_sigma": math.nan}, {"prompt_mean": math.inf},
                                  {"output_mean": True}])
 def test_length_model_fields_are_checked(bad):

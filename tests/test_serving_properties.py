@@ -9,8 +9,8 @@ import math
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.budgets import POLICIES, SlabBudget
+from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.scheduler import Request, Scheduler
 from pagedlib.sim.simulate import CATEGORIES, held_slots, simulate, write_fake_kv
 from pagedlib.sim.workloads import fake_token_ids

@@ -15,6 +15,7 @@ from pagedlib.core.scheduler import Request
 MAX_REQUESTS = 10**6       # a workload's length (one Request object each)
 MAX_MODEL_LEN = 2**40      # lengths stay far inside int64
 MAX_ARRIVAL = 2**53        # arrival steps stay exact in float64
+MAX_SLOTS = 2**31 - 1      # slot addresses of the budget fit int32 (the pool pictures, the cache's tables)
 
 
 def check_simulate(requests: Iterable[Request], policy: object, kv_budget_blocks: object, block_size: object,
@@ -31,6 +32,8 @@ def check_simulate(requests: Iterable[Request], policy: object, kv_budget_blocks
     budget = as_int("kv_budget_blocks", kv_budget_blocks, minimum=1)
     block_size = as_int("block_size", block_size, minimum=1)
     max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
+    if budget * block_size > MAX_SLOTS:
+        raise ValueError(f"kv_budget_blocks * block_size must be <= 2**31 - 1, got {budget * block_size}")
     if enable_prefix_caching and (missing := [r.req_id for r in requests if r.prompt_tokens is None]):
         raise ValueError(f"enable_prefix_caching needs requests with prompt_tokens; requests {missing[:8]} "
                          "have none (shared_prompt_like makes some)")
