@@ -485,9 +485,9 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
         ax.axvline(c * bs, color="#555555", lw=0.8)
     for r in range(rows + 1):
         ax.axhline(r, color="#555555", lw=0.8)
-    for i in range(len(owner)):  # label each run of slots held by one request (a block, or a slab)
+    for i in range(len(owner)):  # label each run of slots one request holds (a block, or a slab's row)
         new_block = result.policy == "paged" and i % bs == 0
-        if owner[i] >= 0 and (i == 0 or new_block or owner[i] != owner[i - 1]):
+        if owner[i] >= 0 and (i % width == 0 or new_block or owner[i] != owner[i - 1]):
             ax.text(i % width + 0.3, i // width + 0.5, str(owner[i]), ha="left", va="center", fontsize=7)
     ax.set_xticks(range(0, width + 1, bs))
     ax.set_yticks([r + 0.5 for r in range(rows)], [str(r * width) for r in range(rows)], fontsize=7)
