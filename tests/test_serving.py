@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pagedlib.bench.__main__ import main as bench_main
+from pagedlib.core.budgets import POLICIES, FirstFit
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import CATEGORIES, POLICIES, FirstFit, Request, Scheduler, cached_prefix
-from pagedlib.sim.simulate import simulate, write_fake_kv
+from pagedlib.core.scheduler import Request, Scheduler
+from pagedlib.sim.simulate import CATEGORIES, simulate, write_fake_kv
 from pagedlib.sim.workloads import alpaca_like, fake_token_ids, shared_prompt_like, sharegpt_like
 
 # ------------------------------------------------------------------------------------------------------
@@ -407,18 +408,17 @@ def test_admission_counts_only_the_blocks_a_request_really_needs():
     assert on.cached_tokens == 8
 
 
-def test_cached_prefix_finds_what_add_sequence_attaches_without_counting():
+def test_peek_finds_what_add_sequence_attaches_without_counting():
     cache = PagedKVCache(8, 1, 2, 1, 1, enable_prefix_caching=True)
     cache.add_sequence("a", [1, 2, 3, 4, 5])
     cache.append_tokens("a", *[torch.zeros(1, 5, 1, 1)] * 2, token_ids=[1, 2, 3, 4, 5])
     before = cache.prefix_cache_stats()
     for prompt, want in (([1, 2, 3, 4, 9], 2), ([1, 2, 3, 4], 1), ([1, 2], 0), ([7, 2, 3], 0), ([1], 0)):
-        found = cached_prefix(cache, prompt)
+        found = cache.prefix_cache.peek(prompt)
         assert cache.prefix_cache_stats() == before and found == cache.tables["a"][:want]
         assert cache.add_sequence("b", prompt) == 2 * want
         cache.free_sequence("b")
         before = cache.prefix_cache_stats()
-    assert cached_prefix(PagedKVCache(2, 1, 2, 1, 1), [1, 2, 3]) == []
 
 
 def test_shared_prompt_workload_with_prefix_caching_saves_prefill_and_memory():

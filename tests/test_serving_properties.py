@@ -9,9 +9,10 @@ import math
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pagedlib.core.budgets import POLICIES, SlabBudget
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import CATEGORIES, POLICIES, Request, Scheduler
-from pagedlib.sim.simulate import simulate, write_fake_kv
+from pagedlib.core.scheduler import Request, Scheduler
+from pagedlib.sim.simulate import CATEGORIES, held_slots, simulate, write_fake_kv
 from pagedlib.sim.workloads import fake_token_ids
 
 MAX_MODEL_LEN = 40
@@ -53,13 +54,13 @@ def check_step(sched: Scheduler, plan, cfg) -> None:
     cache, bs = sched.cache, cfg["block_size"]
     cache.check_invariants()
     assert len(sched.running) <= cfg["max_num_seqs"]
-    if sched.slabs is None:
+    if not isinstance(sched.budget, SlabBudget):
         assert cache.num_used_blocks <= cfg["kv_budget_blocks"]
     else:
-        spans = sorted(sched.slabs.slabs.values())
+        spans = sorted(sched.budget.slabs.values())
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))       # disjoint
-        assert sched.slabs.used_slots <= cfg["kv_budget_blocks"] * bs
-        assert all(cache.seq_lens[r.req_id] <= sched.held_slots(r) for r in sched.running)
+        assert sched.budget.used_slots <= cfg["kv_budget_blocks"] * bs
+        assert all(cache.seq_lens[r.req_id] <= held_slots(sched, r) for r in sched.running)
     for r in sched.running:
         start, n = sched.window_start[r.req_id], cache.seq_lens[r.req_id]
         k, v = cache.gather(r.req_id)                 # K = position, V = request id
@@ -101,7 +102,7 @@ def test_scheduler_invariants_step_by_step(requests, cfg):
                 sched.finish(r)
     assert generated == {r.req_id: r.output_len for r in requests}
     assert final == {r.req_id: r.max_kv_len for r in requests}
-    assert cache.num_free_blocks == cache.num_blocks and not (sched.slabs and sched.slabs.slabs)
+    assert cache.num_free_blocks == cache.num_blocks and not getattr(sched.budget, "slabs", None)
     cache.check_invariants()
 
 
@@ -123,6 +124,7 @@ def test_simulate_accounts_for_every_slot(requests, cfg):
     assert (s["external"] + s["other"] <= s["free"]).all()
     assert abs(sum(r.breakdown[k] for k in CATEGORIES) - 1) < 1e-9
     assert r.preemptions == 0 or cfg["policy"] == "paged"
+    assert s["preempted"].sum() == r.preemptions                       # the per-step marks of the figures
     assert r.prefill_tokens + r.cached_tokens >= sum(q.prompt_len for q in requests)
     if cfg["caching"]:  # every token of an admission is looked up: found (cached) or computed (prefill)
         assert r.cached_tokens % cfg["block_size"] == 0

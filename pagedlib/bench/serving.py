@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedlib.bench.timing import print_table, writable_path, write_json
-from pagedlib.core.scheduler import CATEGORIES, POLICIES
-from pagedlib.sim.simulate import simulate
+from pagedlib.bench.timing import positive_float, positive_int, print_table, writable_path, write_json
+from pagedlib.core.budgets import POLICIES
+from pagedlib.sim.simulate import CATEGORIES, new_scheduler, simulate
 from pagedlib.sim.workloads import alpaca_like, shared_prompt_like, sharegpt_like
 
 COLUMNS = ["policy", "kv_util", *CATEGORIES, "mean_running", "saturated_running", "peak_running",
@@ -15,27 +15,46 @@ COLUMNS = ["policy", "kv_util", *CATEGORIES, "mean_running", "saturated_running"
 WORKLOADS = {"sharegpt": sharegpt_like, "alpaca": alpaca_like, "shared": shared_prompt_like}
 
 
+def non_negative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0, else a usage error (exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--rate", type=float, default=1.0, help="arrivals per step (Poisson); inf: all at once")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-blocks", type=int, default=983,
+    p.add_argument("--num-requests", type=positive_int, default=1000)
+    p.add_argument("--rate", type=positive_float, default=1.0,
+                   help="arrivals per step (Poisson); inf: all at once")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--budget-blocks", type=positive_int, default=983,
                    help="KV budget in blocks (983 x 16 = 15.7K slots: the paper's OPT-13B on one A100-40GB)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="add a row: paged with prefix caching (needs --workload shared)")
     p.add_argument("--json", metavar="FILE", type=writable_path,
                    help="also write the rows and settings as JSON")
+    p.set_defaults(parser=p)  # main() refuses flags that do not fit together with a usage error
 
 
 def main(args: argparse.Namespace) -> int:
     if args.enable_prefix_caching and args.workload != "shared":
-        raise SystemExit("--enable-prefix-caching needs --workload shared (requests with token ids)")
-    requests = WORKLOADS[args.workload](args.num_requests, args.seed, rate=args.rate)
+        args.parser.error("--enable-prefix-caching needs --workload shared (requests with token ids)")
     runs = [(policy, False) for policy in args.policies] + [("paged", True)] * args.enable_prefix_caching
+    try:  # every run checked (workload, budget, block size) before any work
+        requests = WORKLOADS[args.workload](args.num_requests, args.seed, rate=args.rate)
+        for policy, caching in runs:
+            new_scheduler(requests, policy, args.budget_blocks, args.block_size,
+                          max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching)
+    except ValueError as e:
+        args.parser.error(str(e))
     rows = [{**simulate(requests, policy, args.budget_blocks, args.block_size, max_num_seqs=args.max_num_seqs,
                         enable_prefix_caching=caching, progress=True).row(), "prefix_caching": caching}
             for policy, caching in runs]
@@ -44,6 +63,6 @@ def main(args: argparse.Namespace) -> int:
     extra = ["prefix_caching", "hit_rate", "prefill", "cached"] if args.enable_prefix_caching else []
     print_table(rows, COLUMNS + extra, title=title)
     if args.json:
-        write_json(args.json, {"settings": {k: v for k, v in vars(args).items() if k != "command"},
-                               "rows": rows})
+        settings = {k: v for k, v in vars(args).items() if k not in ("command", "parser")}
+        write_json(args.json, {"settings": settings, "rows": rows})
     return 0

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from pagedlib.checks import as_int
 from pagedlib.core.scheduler import Request
+from pagedlib.sim._checks import check_arrivals, check_length_model, check_shared, check_workload
 
 
 @dataclass(frozen=True)
@@ -22,6 +21,9 @@ class LengthModel:
     output_mean: float
     output_sigma: float
 
+    def __post_init__(self) -> None:
+        check_length_model(self)
+
 
 # The paper's datasets (its Figure 11): ShareGPT prompts and outputs average 161.31 and 337.99 tokens,
 # Alpaca's 19.31 and 58.45. Log-normal: positive, right-skewed, long-tailed, the shape of its histograms.
@@ -29,12 +31,6 @@ class LengthModel:
 # once prompt + output is clipped to 2,048 tokens, the means come out at the paper's (within sampling noise).
 SHAREGPT = LengthModel(prompt_mean=162, prompt_sigma=1.0, output_mean=353, output_sigma=1.0)
 ALPACA = LengthModel(prompt_mean=19.31, prompt_sigma=0.6, output_mean=58.45, output_sigma=0.8)
-
-
-def _check_rate(rate: object) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not rate > 0:
-        raise ValueError(f"rate must be a positive number of requests per step (or math.inf), got {rate!r}")
-    return float(rate)
 
 
 def _lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, high: int) -> np.ndarray:
@@ -46,15 +42,14 @@ def synthetic_workload(num_requests: int, model: LengthModel, *, seed: int = 0, 
                        max_model_len: int = 2048) -> list[Request]:
     """``num_requests`` requests with lengths drawn from ``model`` (``prompt + output <= max_model_len``)
     and Poisson arrivals, ``rate`` requests per step on average (``math.inf``: all at step 0)."""
-    n = as_int("num_requests", num_requests, minimum=0)
-    max_model_len = as_int("max_model_len", max_model_len, minimum=2)
-    rate = _check_rate(rate)
-    rng = np.random.default_rng(as_int("seed", seed, minimum=0))
+    n, seed, rate, max_model_len = check_workload(num_requests, seed, rate, max_model_len)
+    rng = np.random.default_rng(seed)
     prompts = _lengths(rng, n, model.prompt_mean, model.prompt_sigma, max_model_len - 1)
     outputs = _lengths(rng, n, model.output_mean, model.output_sigma, max_model_len)
     outputs = np.minimum(outputs, max_model_len - prompts)
     gaps = np.zeros(n) if math.isinf(rate) else rng.exponential(1 / rate, n)
-    arrivals = np.floor(np.cumsum(gaps)).astype(np.int64)
+    arrivals = np.floor(np.cumsum(gaps))
+    check_arrivals(arrivals, rate)
     return [Request(i, int(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
 
@@ -76,11 +71,10 @@ def shared_prompt_like(num_requests: int, seed: int = 0, *, system_len: int = 34
     """Alpaca-like user turns, each behind one of ``num_system_prompts`` system prompts of ``system_len``
     tokens (the workload prefix caching is for; 341 is the paper's 5-shot translation prefix, §6.4).
     Requests carry their token ids: the system prompt's, then random ones for the user turn."""
-    system_len = as_int("system_len", system_len, minimum=1)
-    k = as_int("num_system_prompts", num_system_prompts, minimum=1)
-    vocab_size = as_int("vocab_size", vocab_size, minimum=2)
+    system_len, k, vocab_size = check_shared(num_requests, system_len, num_system_prompts, vocab_size,
+                                             OUTPUT_TOKEN_BASE)
     base = alpaca_like(num_requests, seed, rate=rate, max_model_len=2048 - system_len)
-    rng = np.random.default_rng([as_int("seed", seed, minimum=0), 1])
+    rng = np.random.default_rng([seed, 1])
     systems = [tuple(int(t) for t in rng.integers(0, vocab_size, system_len)) for _ in range(k)]
     out = []
     for r in base:

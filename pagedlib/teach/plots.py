@@ -330,7 +330,7 @@ def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[in
 WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
                 "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
 WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
-                "internal": "internal fragmentation", "external": "external fragmentation",
+                "internal": "internal fragmentation", "external": "external fragmentation (paper: & others)",
                 "other": "other (free, too little / watermark)", "unattributed": "not broken down"}
 POLICY_COLORS = {"paged": OWNER_COLORS[0], "reserve-max": OWNER_COLORS[3], "reserve-pow2": OWNER_COLORS[1],
                  "reserve-oracle": OWNER_COLORS[2]}
@@ -378,7 +378,7 @@ def plot_serving_timeline(results: list) -> Figure:
     and the number of running requests (bottom); long runs are drawn at every k-th step."""
     import numpy as np
 
-    from pagedlib.core.scheduler import CATEGORIES
+    from pagedlib.sim.simulate import CATEGORIES
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.0), sharex=True, layout="constrained")
     for r in results:
@@ -402,16 +402,20 @@ def plot_serving_timeline(results: list) -> Figure:
 def plot_policy_sweep(rows: list[dict], x: str, ys: list[tuple[str, str]], xlabel: str,
                       title: str = "") -> Figure:
     """One panel per ``(key, label)`` in ``ys``: that column of ``rows`` against column ``x`` (log-2 axis),
-    one line per policy (rows as ``SimResult.row()`` makes them)."""
+    one line per policy (rows as ``SimResult.row()`` makes them). Y axes start at 0; policies get their own
+    marker size and line style, so lines that coincide (two policies at 0) stay visible."""
     fig, axes = plt.subplots(1, len(ys), figsize=(4.6 * len(ys), 3.4), layout="constrained", squeeze=False)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
     for ax, (key, label) in zip(axes[0], ys):
-        for policy in dict.fromkeys(r["policy"] for r in rows):
+        for i, policy in enumerate(policies):
             pts = sorted((r[x], r[key]) for r in rows if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=POLICY_COLORS.get(policy),
-                    label=policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^"[i % 4], ms=9 - 2 * (i % 4),
+                    ls=("-", "--", ":", "-.")[i % 4], color=POLICY_COLORS.get(policy), label=policy,
+                    clip_on=False, zorder=3)  # markers on the 0 line stay whole
         ticks = sorted({r[x] for r in rows})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
+        ax.set_ylim(bottom=0, top=1.08 * max(max(r[key] for r in rows), 1e-9))
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -437,11 +441,9 @@ def _occupancy_rgb(owner, filled):
 
 def plot_pool_occupancy(results: list, title: str = "") -> Figure:
     """The pool over time, one panel per ``SimResult`` recorded with ``record_occupancy``: x is the step,
-    y the slot address; colour = request (solid: holds a token, pale: set aside and empty), white = free."""
-    from matplotlib.colors import to_rgb
-    from matplotlib.patches import Patch
-
-    fig, axes = plt.subplots(1, len(results), figsize=(4.4 * len(results) + 1.5, 4.0), layout="constrained",
+    y the slot address; colour = request (solid: holds a token, pale: set aside and empty), white = free;
+    a black triangle on top marks a step at which requests were preempted."""
+    fig, axes = plt.subplots(1, len(results), figsize=(4.4 * len(results) + 2.0, 4.0), layout="constrained",
                              squeeze=False, sharex=True, sharey=True)
     for ax, r in zip(axes[0], results):
         occ = r.occupancy
@@ -451,45 +453,68 @@ def plot_pool_occupancy(results: list, title: str = "") -> Figure:
         if r.policy == "paged" and slots // r.block_size <= 64:
             for b in range(1, slots // r.block_size):
                 ax.axhline(b * r.block_size, color="white", lw=0.3)
+        hit = r.series["preempted"] > 0
+        ax.plot(r.series["step"][hit], [slots - 2] * int(hit.sum()), "v", color="black", ms=4)
+        ax.set_xlim(-0.5, max(res.occupancy.steps[-1] for res in results) + 0.5)  # one step axis for all
+        ax.set_ylim(0, slots)
         ax.set_xlabel("step")
         ax.set_ylabel(f"slot address ({slots} slots, block_size {r.block_size})")
-        ax.set_title(f"{r.policy}: mean {r.mean_running:.1f} running, {r.steps} steps", fontsize=9)
-    pale = tuple(0.3 * c + 0.7 for c in to_rgb(OWNER_COLORS[0]))
-    handles = [Patch(color=OWNER_COLORS[0], label="holds a token"),
-               Patch(color=pale, label="set aside, empty"),
-               Patch(facecolor="white", edgecolor="#999999", label="free")]
-    axes[0][-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
-                       fontsize=8)
+        ax.set_title(f"{r.policy}: mean {r.mean_running:.1f} running, {r.steps} steps, "
+                     f"{r.preemptions} preemptions", fontsize=9)
+    axes[0][-1].legend(handles=_occupancy_legend(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                       frameon=False, fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
 
 
+def _occupancy_legend() -> list:
+    """Legend of the pool pictures: the request colours (by id, cycling), their pale tint, free, preempted."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    n = len(REQUEST_COLORS)
+    handles = [Patch(color=c, label=f"request {i}, {i + n}, ... (holds a token)")
+               for i, c in enumerate(REQUEST_COLORS[:4])]
+    handles.append(Patch(facecolor="none", edgecolor="none", label=f"... {n} colours in all, by request id"))
+    pale = tuple(0.3 * c + 0.7 for c in to_rgb(REQUEST_COLORS[0]))
+    handles += [Patch(color=pale, label="pale: set aside, still empty"),
+                Patch(facecolor="white", edgecolor="#999999", label="white: free"),
+                Line2D([], [], marker="v", color="black", ls="", label="a step with preemptions")]
+    return handles
+
+
 def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
-    """The pool of a recorded ``SimResult`` at its ``index``-th recorded step, ``cols`` blocks per row:
-    each slot coloured as in ``plot_pool_occupancy``, each block outlined with its owner's id."""
-    occ = result.occupancy
-    bs = result.block_size
+    """The pool of a recorded ``SimResult`` at its ``index``-th recorded step, ``cols`` blocks per row and the
+    address growing upwards as in ``plot_pool_occupancy`` (row 0 at the bottom): each box is a block of
+    ``block_size`` slots, coloured as there, and each run of slots one request holds carries its id."""
+    from matplotlib.patches import Patch
+
+    occ, bs = result.occupancy, result.block_size
     owner, filled = occ.owner[index], occ.filled[index]
-    nb = len(owner) // bs
-    rows = ceil_div(nb, cols)
-    pad = rows * cols * bs - len(owner)
-    grid_owner = _pad(owner, pad, -1).reshape(rows, cols * bs)
-    grid_filled = _pad(filled, pad, False).reshape(rows, cols * bs)
-    fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 1.5, 12.0), 0.55 * rows + 1.0)
+    rows, width = ceil_div(len(owner) // bs, cols), cols * bs
+    pad = rows * width - len(owner)
+    grid_owner = _pad(owner, pad, -1).reshape(rows, width)
+    grid_filled = _pad(filled, pad, False).reshape(rows, width)
+    fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 4.0, 14.0), 0.55 * rows + 1.4)
     ax.imshow(_occupancy_rgb(grid_owner, grid_filled), interpolation="nearest", aspect="auto",
-              extent=(0, cols * bs, rows, 0))
+              origin="lower", extent=(0, width, 0, rows))
     for c in range(cols + 1):
         ax.axvline(c * bs, color="#555555", lw=0.8)
     for r in range(rows + 1):
         ax.axhline(r, color="#555555", lw=0.8)
-    width = cols * bs
-    for i in range(len(owner)):  # label each run of slots held by one request (a block, or a slab)
+    for i in range(len(owner)):  # label each run of slots one request holds (a block, or a slab's row)
         new_block = result.policy == "paged" and i % bs == 0
-        starts_run = owner[i] >= 0 and (i == 0 or new_block or owner[i] != owner[i - 1])
-        if starts_run:
+        if owner[i] >= 0 and (i % width == 0 or new_block or owner[i] != owner[i - 1]):
             ax.text(i % width + 0.3, i // width + 0.5, str(owner[i]), ha="left", va="center", fontsize=7)
-    ax.set_axis_off()
+    ax.set_xticks(range(0, width + 1, bs))
+    ax.set_yticks([r + 0.5 for r in range(rows)], [str(r * width) for r in range(rows)], fontsize=7)
+    ax.set_xlabel(f"slot offset in the row (one box = one block of {bs} slots; a number: the request id)")
+    ax.set_ylabel("first slot address of the row")
+    solid = Patch(color=REQUEST_COLORS[0], label="solid: holds a token (colour by request)")
+    ax.legend(handles=[solid, *_occupancy_legend()[5:-1]], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False, fontsize=7)
     held = len(set(owner[owner >= 0].tolist()))
     ax.set_title(f"{result.policy}, step {occ.steps[index]}: {held} requests hold {int((owner >= 0).sum())} "
                  f"of {len(owner)} slots, {int(filled.sum())} with a token", fontsize=9)

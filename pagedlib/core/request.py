@@ -1,0 +1,40 @@
+"""A request to serve (notebooks 07 and 08), like nano-vllm's ``Sequence``: what the scheduler and the
+budgets know of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedlib.checks import as_int
+
+
+@dataclass(frozen=True)
+class Request:
+    """Arrives at step ``arrival`` with ``prompt_len`` tokens (ids in ``prompt_tokens``: prefix caching needs
+    them), generates ``output_len``; its K/V peak at ``max_kv_len`` (the last token is never fed back)."""
+
+    req_id: int
+    arrival: int
+    prompt_len: int
+    output_len: int
+    prompt_tokens: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_request(self)
+
+    @property
+    def max_kv_len(self) -> int:
+        return self.prompt_len + self.output_len - 1
+
+
+# argument checks -----------------------------------------------------------------------------------------
+
+
+def _check_request(r: Request) -> None:
+    for name, minimum in (("req_id", 0), ("arrival", 0), ("prompt_len", 1), ("output_len", 1)):
+        object.__setattr__(r, name, as_int(name, getattr(r, name), minimum=minimum))
+    if r.prompt_tokens is not None:
+        tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in r.prompt_tokens)
+        if len(tokens) != r.prompt_len:
+            raise ValueError(f"prompt_tokens must hold prompt_len = {r.prompt_len} ids, got {len(tokens)}")
+        object.__setattr__(r, "prompt_tokens", tokens)
