@@ -1,30 +1,65 @@
-"""The matplotlib figures the notebooks draw. Every axis is labelled with its unit.
-
-One section per notebook; each function returns the ``Figure`` it drew on.
-"""
+"""The matplotlib figures the notebooks draw, one section per notebook. Every axis is labelled with its unit;
+each function returns the ``Figure`` it drew on."""
 
 from __future__ import annotations
 
+import io
+
 import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 
 from pagedlib.checks import ceil_div
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.teach.sizing import block_table_entries, paged_utilization
 
+ALLOC_COLORS = {"append_token": OWNER_COLORS[3], "append_batch": OWNER_COLORS[0],
+                "append_tokens": OWNER_COLORS[0], "contiguous": "#333333", "copy_": OWNER_COLORS[2]}
+IMPL_COLORS = {"reference": OWNER_COLORS[3], "paged": OWNER_COLORS[0], "paged-whole-batch": OWNER_COLORS[4],
+               "contiguous": "#333333", "triton": OWNER_COLORS[2]}
+WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
+                "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
+WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
+                "internal": "internal fragmentation", "external": "external fragmentation (paper: & others)",
+                "other": "other (free, too little / watermark)", "unattributed": "not broken down"}
+POLICY_COLORS = {"paged": OWNER_COLORS[0], "reserve-max": OWNER_COLORS[3], "reserve-pow2": OWNER_COLORS[1],
+                 "reserve-oracle": OWNER_COLORS[2]}
+# request colours in the pool pictures: request i gets REQUEST_COLORS[i % 12]
+REQUEST_COLORS = (*OWNER_COLORS, "#2F4B7C", "#FFA600", "#7A9E2F", "#00A5B8")
 
-def _new_figure(width: float = 7.0, height: float = 3.5) -> tuple[Figure, plt.Axes]:
-    fig, ax = plt.subplots(figsize=(width, height), layout="constrained")
-    return fig, ax
+
+def _new_figure(width: float, height: float, **kwargs) -> tuple[Figure, plt.Axes]:
+    return plt.subplots(figsize=(width, height), layout="constrained", **kwargs)
+
+
+def _log2_ticks(ax: plt.Axes, ticks: list, **kwargs) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks], **kwargs)
+
+
+def _legend_right(ax: plt.Axes, handles: list, fontsize: int = 8) -> None:
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=fontsize)
+
+
+def _suptitle(fig: Figure, title: str) -> Figure:
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _lines(rows: list[dict], group: str, x: str, *ys: str):
+    """Per value of column ``group`` (in order of appearance): columns ``x, *ys`` of its rows, sorted by x."""
+    for g in dict.fromkeys(r[group] for r in rows):
+        yield g, list(zip(*sorted(tuple(r[k] for k in (x, *ys)) for r in rows if r[group] == g)))
 
 
 # --- notebook 01: memory sizing -------------------------------------------------------------------
 
-
 def plot_length_histogram(seq_lens: list[int], max_tokens: int) -> Figure:
     """Histogram of request lengths (tokens, log-2 bins), with the reservation limit and the median marked."""
-    import numpy as np
-
     fig, ax = _new_figure(7.0, 3.0)
     median = float(np.median(seq_lens))  # a notebook prints np.median too, so text and legend agree
     ax.hist(seq_lens, bins=np.logspace(0, np.log2(max_tokens), 40, base=2), color=OWNER_COLORS[0],
@@ -41,15 +76,12 @@ def plot_length_histogram(seq_lens: list[int], max_tokens: int) -> Figure:
 def plot_reserved_vs_used(seq_lens: list[int], bytes_per_token: int, max_tokens: int,
                           block_size: int) -> Figure:
     """Per-request and total KV memory under max-length reservation vs paging vs the tokens stored."""
-    import numpy as np
-
     lens = np.sort(np.asarray(seq_lens))
     slots = {"contiguous (reserves max_tokens)": np.full(len(lens), max_tokens),
-           f"paged (block_size={block_size})": ceil_div(lens, block_size) * block_size,
-           "tokens actually stored": lens}
+             f"paged (block_size={block_size})": ceil_div(lens, block_size) * block_size,
+             "tokens actually stored": lens}
     colors, styles = [OWNER_COLORS[3], OWNER_COLORS[0], "#555555"], ["-", "-", ":"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 3.6), layout="constrained",
-                                      gridspec_kw={"width_ratios": [2, 1]})
+    fig, (left, right) = _new_figure(10.0, 3.6, ncols=2, width_ratios=[2, 1])
     for (label, held), color, ls in zip(slots.items(), colors, styles):
         left.plot(held * bytes_per_token / 2**20, color=color, ls=ls, label=label)
     left.set(yscale="log", xlabel="request (sorted by length)", title="Per request",
@@ -68,8 +100,7 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
     entries = [block_table_entries(seq_lens, b) / len(seq_lens) for b in block_sizes]
     fig, ax = _new_figure(7.0, 3.6)
     ax.plot(block_sizes, waste, "o-", color=OWNER_COLORS[3], label="wasted tail slots (left axis)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
+    _log2_ticks(ax, block_sizes)
     ax.set(xlabel="block_size (tokens per block, log scale)", title="Block size: fragmentation vs lookup")
     ax.set_ylabel("wasted slots (% of allocated)", color=OWNER_COLORS[3])
     twin = ax.twinx()
@@ -85,14 +116,8 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 
 # --- notebook 02: block allocator -----------------------------------------------------------------
 
-
 def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
-    """The physical pool of a ``PagedKVCache``, one cell per block (its id on top) split into ``block_size``
-    slots: a token's slot in its sequence's colour (a shared block in one band per holder, outlined, with its
-    reference count), an unwritten slot hatched; free blocks grey with their place on the free stack (1 =
-    top, taken next), cached free blocks green with their eviction order (e1 = evicted first)."""
-    from matplotlib.patches import Rectangle
-
+    """The physical pool of a ``PagedKVCache``: a cell per block, ``cols`` a row, slots coloured by holder."""
     nb, bs, order = cache.num_blocks, cache.block_size, list(cache.tables)
     cols = cols or min(nb, 16)
     rows = ceil_div(nb, cols)
@@ -107,8 +132,7 @@ def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
             ax.add_patch(Rectangle((x, y), 0.9, 0.7, color=color, ec="#BBBBBB", lw=0.6))
             ax.text(x + 0.45, y + 0.35, label[b], ha="center", va="center", fontsize=7, color="#666666")
         ax.text(x + 0.45, y + 0.78, str(b), ha="center", va="bottom", fontsize=7)
-    ax.legend(handles=_pool_legend(cache, holders, fill, label), loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              frameon=False, fontsize=8)
+    _legend_right(ax, _pool_legend(cache, holders, fill, label))
     ax.set(xlim=(-0.1, cols), ylim=(-rows + 0.9, 1.15))
     ax.set_axis_off()
     used, stored = sum(map(bool, holders)), sum(fill)  # physical: a shared block and its slots count once
@@ -119,8 +143,7 @@ def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
 
 
 def _pool_contents(cache) -> tuple[list[list], list[int], dict[int, str]]:
-    """Per block: the sequences holding it (table order), its slots that hold a token, and for a free block
-    its label (place on the free stack, 1 = top; ``e1`` = the cached free block evicted first)."""
+    """Per block: its holders (table order), its slots holding a token, and a free block's label."""
     holders, fill, bs = [[] for _ in range(cache.num_blocks)], [0] * cache.num_blocks, cache.block_size
     for s, table in cache.tables.items():
         for i, b in enumerate(table):
@@ -132,12 +155,9 @@ def _pool_contents(cache) -> tuple[list[list], list[int], dict[int, str]]:
 
 
 def _draw_held_block(ax: plt.Axes, x: float, y: float, colors: list[str], fill: int, block_size: int) -> None:
-    """One held block, a horizontal band per holder (``colors``): ``fill`` slots filled, the rest hatched;
-    outlined with its reference count if shared."""
-    from matplotlib.patches import Rectangle
-
+    """One held block, a band per holder (the first on top), ``fill`` slots filled and the rest hatched."""
     w, h = 0.9 / block_size, 0.7 / len(colors)
-    for k, color in enumerate(colors):  # the first holder on top
+    for k, color in enumerate(colors):
         for off in range(block_size):
             style = {"facecolor": color, "edgecolor": "white"} if off < fill else \
                 {"facecolor": "white", "edgecolor": color, "hatch": "////"}
@@ -150,42 +170,27 @@ def _draw_held_block(ax: plt.Axes, x: float, y: float, colors: list[str], fill: 
 
 def _pool_legend(cache, holders: list[list], fill: list[int], label: dict[int, str]) -> list:
     """Legend entries for ``plot_block_pool``: only the colours and marks the picture shows."""
-    from matplotlib.patches import Patch
-
     order, free, cached = list(cache.tables), len(cache.free), len(label) - len(cache.free)
     handles = [Patch(color=owner_color(s, order), label=f"seq {s}: {cache.seq_lens[s]} tokens, "
                      f"{len(cache.tables[s])} blocks") for s in order if cache.tables[s]]
-    if any(len(h) > 1 for h in holders):
-        handles.append(Patch(facecolor="white", edgecolor="black", lw=1.6,
-                             label="shared: a band per holder, x = reference count"))
-    if any(h and f < cache.block_size for h, f in zip(holders, fill)):
-        handles.append(Patch(facecolor="white", edgecolor="#777777", hatch="////",
-                             label="hatched: slot not yet written"))
-    if free:
-        handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#BBBBBB",
-                             label=f"free: {free} (1 = top of the stack, taken next)"))
-    if cached:
-        handles.append(Patch(facecolor=CACHED_COLOR, edgecolor="#BBBBBB",
-                             label=f"cached, free: {cached} (e1 = evicted first)"))
-    return handles
-
-
-ALLOC_COLORS = {"append_token": OWNER_COLORS[3], "append_batch": OWNER_COLORS[0],
-                "append_tokens": OWNER_COLORS[0], "contiguous": "#333333", "copy_": OWNER_COLORS[2]}
+    grey = {"edgecolor": "#BBBBBB"}
+    marks = [(any(len(h) > 1 for h in holders), "shared: a band per holder, x = reference count",
+              {"facecolor": "white", "edgecolor": "black", "lw": 1.6}),
+             (any(h and f < cache.block_size for h, f in zip(holders, fill)), "hatched: slot not yet written",
+              {"facecolor": "white", "edgecolor": "#777777", "hatch": "////"}),
+             (free, f"free: {free} (1 = top of the stack, taken next)", {"facecolor": FREE_COLOR, **grey}),
+             (cached, f"cached, free: {cached} (e1 = evicted first)", {"facecolor": CACHED_COLOR, **grey})]
+    return handles + [Patch(label=text, **style) for shown, text, style in marks if shown]
 
 
 def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
-    """Decode write throughput (tokens/s, log-log) against batch size for each method in
-    ``pagedlib.bench.alloc`` rows."""
+    """Decode write throughput (tokens/s, log-log) against batch size per method in ``bench.alloc`` rows."""
     fig, ax = _new_figure(6.5, 3.4)
     decode = [r for r in rows if r["phase"] == "decode"]
-    for method in dict.fromkeys(r["method"] for r in decode):
-        pts = sorted((r["tokens"], r["tokens_per_s"]) for r in decode if r["method"] == method)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method,
-                color=ALLOC_COLORS.get(method), ls=":" if method == "copy_" else "-")
-    batches = sorted({r["tokens"] for r in decode})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
+    for method, (batch, rate) in _lines(decode, "method", "tokens", "tokens_per_s"):
+        ax.plot(batch, rate, marker="o", label=method, color=ALLOC_COLORS.get(method),
+                ls=":" if method == "copy_" else "-")
+    _log2_ticks(ax, sorted({r["tokens"] for r in decode}))
     ax.set(yscale="log", xlabel="decode batch (sequences, one new token each; log scale)",
            ylabel="tokens written per second (log scale)")
     ax.grid(alpha=0.3, which="both")
@@ -196,75 +201,70 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
 
 # --- notebook 04: reference attention -------------------------------------------------------------
 
-IMPL_COLORS = {"reference": OWNER_COLORS[3], "paged": OWNER_COLORS[0], "paged-whole-batch": OWNER_COLORS[4],
-               "contiguous": "#333333", "triton": OWNER_COLORS[2]}
-
-
 def plot_gather_mask(tables: list[list[int]], seq_lens: list[int], block_size: int) -> Figure:
-    """What the vectorized gather copies: one row per sequence, ``n_blocks * block_size`` slots wide,
-    coloured by sequence where a slot holds a token, grey and crossed where it is masked (tail of the
-    last block, or a padded table entry standing in for block 0)."""
-    import numpy as np
-
+    """What the vectorized gather copies, a row per sequence: a slot coloured (token) or crossed (masked)."""
     width = max(len(t) for t in tables) * block_size
     fig, ax = _new_figure(0.32 * width + 1.8, 0.6 * len(tables) + 1.0)
     pitch = 1.5  # vertical distance between rows, room for the block labels
     for s, (table, n) in enumerate(zip(tables, seq_lens, strict=True)):
         y = -s * pitch
         for p in range(width):
-            valid = p < n
-            color = OWNER_COLORS[s % len(OWNER_COLORS)] if valid else FREE_COLOR
+            color = OWNER_COLORS[s % len(OWNER_COLORS)] if p < n else FREE_COLOR
             ax.add_patch(plt.Rectangle((p, y - 0.4), 0.95, 0.8, color=color, ec="white"))
-            if not valid:
-                ax.plot([p + 0.2, p + 0.75], [y - 0.25, y + 0.25], color="#999999", lw=0.8)
-                ax.plot([p + 0.2, p + 0.75], [y + 0.25, y - 0.25], color="#999999", lw=0.8)
+            for dy in (0.25, -0.25) if p >= n else ():
+                ax.plot([p + 0.2, p + 0.75], [y - dy, y + dy], color="#999999", lw=0.8)
         for j in range(width // block_size):
             label = f"block {table[j]}" if j < len(table) and j * block_size < n else "padding -> 0"
             ax.text(j * block_size + block_size / 2, y + 0.5, label, ha="center", va="bottom", fontsize=7)
     for j in range(1, width // block_size):
         ax.axvline(j * block_size - 0.025, color="black", lw=0.8)
-    ax.set_xlim(-0.2, width + 0.2)
-    ax.set_ylim(-(len(tables) - 1) * pitch - 0.6, 1.0)
+    ax.set(xlim=(-0.2, width + 0.2), ylim=(-(len(tables) - 1) * pitch - 0.6, 1.0),
+           xlabel="position in the gathered K/V (tokens)")
     ax.set_yticks(-pitch * np.arange(len(tables)), [f"seq {s} (len {n})" for s, n in enumerate(seq_lens)])
-    ax.set_xlabel("position in the gathered K/V (tokens)")
     ax.set_title("Gathered blocks: coloured = token, grey x = masked (zeroed, score -inf)", fontsize=9)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["top", "right", "left"]].set_visible(False)
     return fig
 
 
 def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "") -> Figure:
-    """Decode time (ms) and achieved bandwidth (GB/s) against ``x`` (``"block_size"`` or ``"context"``)
-    for each implementation in benchmark ``rows`` (``pagedlib.bench.attention``), log-2 x axis."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 3.4), layout="constrained")
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    for impl in impls:
-        pts = sorted((r[x], r["ms"], r["GB/s"]) for r in rows if r["impl"] == impl)
-        xs = [p[0] for p in pts]
-        style = {"color": IMPL_COLORS.get(impl, None), "marker": "o", "label": impl}
-        left.plot(xs, [p[1] for p in pts], **style)
-        right.plot(xs, [p[2] for p in pts], **style)
+    """Decode time (ms) and bandwidth (GB/s) per implementation in ``bench.attention`` rows against ``x``."""
+    fig, (left, right) = _new_figure(10.0, 3.4, ncols=2)
+    for impl, (xs, ms, bandwidth) in _lines(rows, "impl", x, "ms", "GB/s"):
+        style = {"color": IMPL_COLORS.get(impl), "marker": "o", "label": impl}
+        left.plot(xs, ms, **style)
+        right.plot(xs, bandwidth, **style)
     xlabel = {"block_size": "block size (tokens per block, log scale)",
               "context": "context length (tokens per sequence, log scale)"}.get(x, x)
     for ax, ylabel in ((left, "time per decode step (ms)"), (right, "achieved bandwidth (GB/s)")):
-        ticks = sorted({r[x] for r in rows})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        _log2_ticks(ax, sorted({r[x] for r in rows}))
+        ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
     if x == "context":
-        left.set_yscale("log")
-        left.set_ylabel("time per decode step (ms, log scale)")
+        left.set(yscale="log", ylabel="time per decode step (ms, log scale)")
     left.legend(frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=10)
+    return _suptitle(fig, title)
+
+
+# --- notebook 05: Triton kernel -------------------------------------------------------------------
+
+def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[int], sm_count: int) -> Figure:
+    """Programs the decode kernel launches per shape (``labels``), without and with split-K, vs the SMs."""
+    fig, ax = _new_figure(8.0, 3.6)
+    x, width = range(len(labels)), 0.4
+    ax.bar([i - width / 2 for i in x], no_split, width, label="no split: batch x KV heads",
+           color=OWNER_COLORS[0])
+    ax.bar([i + width / 2 for i in x], split, width, label="split-K: x num_splits", color=OWNER_COLORS[1])
+    ax.axhline(sm_count, color="black", linewidth=1, linestyle="--")
+    ax.text(-0.4, sm_count * 1.1, f"{sm_count} SMs", ha="left", va="bottom", fontsize=8)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set(xlabel="batch / context (tokens)", ylabel="programs launched (count)",
+           title="Does the grid fill the GPU? (8 KV heads)")
+    ax.legend(fontsize=8, loc="upper left")
     return fig
 
 
-
-# --- notebook 06: sharing blocks -----------------------------------------------------------------
-
+# --- notebook 06: sharing blocks ------------------------------------------------------------------
 
 def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], title: str = "") -> Figure:
     """KV memory (MiB) against tokens generated so far, one line per strategy in ``curves``."""
@@ -280,8 +280,7 @@ def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], ti
 
 def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evictions: list[int],
                           title: str = "", marks: dict[int, str] | None = None) -> Figure:
-    """Prefix-cache hit rate (% of prompt tokens) and blocks evicted against the pool size (blocks); each
-    ``marks`` entry (pool size -> text) draws a labelled vertical line."""
+    """Prefix-cache hit rate and blocks evicted against the pool size; ``marks``: pool size -> text."""
     fig, ax = _new_figure(7.0, 3.4)
     ax.plot(pool_blocks, [100 * r for r in hit_rates], "o-", color=OWNER_COLORS[0],
             label="hit rate (left axis)")
@@ -300,49 +299,10 @@ def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evicti
     return fig
 
 
-# --- notebook 05: Triton kernel -------------------------------------------------------------------
-
-
-def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[int], sm_count: int) -> Figure:
-    """Programs the decode kernel launches per shape, without and with split-K, against the SM count.
-
-    ``labels[i]`` names shape i (e.g. ``"b1\\n32k"``); ``no_split[i]`` is batch x KV heads and ``split[i]``
-    that times the heuristic's number of splits."""
-    fig, ax = _new_figure(8.0, 3.6)
-    x = range(len(labels))
-    width = 0.4
-    ax.bar([i - width / 2 for i in x], no_split, width, label="no split: batch x KV heads",
-           color=OWNER_COLORS[0])
-    ax.bar([i + width / 2 for i in x], split, width, label="split-K: x num_splits", color=OWNER_COLORS[1])
-    ax.axhline(sm_count, color="black", linewidth=1, linestyle="--")
-    ax.text(-0.4, sm_count * 1.1, f"{sm_count} SMs", ha="left", va="bottom", fontsize=8)
-    ax.set_yscale("log", base=2)
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_xlabel("batch / context (tokens)")
-    ax.set_ylabel("programs launched (count)")
-    ax.set_title("Does the grid fill the GPU? (8 KV heads)")
-    ax.legend(fontsize=8, loc="upper left")
-    return fig
-
-
 # --- notebook 07: serving simulation --------------------------------------------------------------
 
-WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
-                "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
-WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
-                "internal": "internal fragmentation", "external": "external fragmentation (paper: & others)",
-                "other": "other (free, too little / watermark)", "unattributed": "not broken down"}
-POLICY_COLORS = {"paged": OWNER_COLORS[0], "reserve-max": OWNER_COLORS[3], "reserve-pow2": OWNER_COLORS[1],
-                 "reserve-oracle": OWNER_COLORS[2]}
-# request colours in the pool pictures: request i gets REQUEST_COLORS[i % 12]
-REQUEST_COLORS = (*OWNER_COLORS, "#2F4B7C", "#FFA600", "#7A9E2F", "#00A5B8")
-
-
 def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dict[str, float]]) -> Figure:
-    """The vLLM paper's Figure 2 next to ours: for each policy a hatched bar (the paper's numbers) and a
-    plain one (``SimResult.breakdown``), stacked by category, in % of the KV memory in use or stranded."""
-    from matplotlib.patches import Patch
-
+    """The vLLM paper's Figure 2 (hatched) next to ours (``SimResult.breakdown``), stacked by category."""
     fig, ax = _new_figure(9.5, 4.2)
     ticks, labels = [], []
     for i, policy in enumerate(ours):
@@ -363,24 +323,19 @@ def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dic
             ticks.append(x)
             labels.append(f"{who}\n{policy}" if j else who)
     ax.set_xticks(ticks, labels, fontsize=8)
-    ax.set_ylabel("KV memory in use or stranded (%)")
-    ax.set_ylim(0, 100)
+    ax.set(ylabel="KV memory in use or stranded (%)", ylim=(0, 100))
     handles = [Patch(color=WASTE_COLORS[k], label=WASTE_LABELS[k]) for k in WASTE_COLORS]
-    handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="///",
-                         label="hatched: the paper's Figure 2"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    _legend_right(ax, [*handles, Patch(facecolor="white", edgecolor="#555555", hatch="///",
+                                       label="hatched: the paper's Figure 2")])
     ax.set_title("Where the KV memory goes: the paper's Figure 2 and this simulation", fontsize=10)
     return fig
 
 
 def plot_serving_timeline(results: list) -> Figure:
-    """Per step, for each ``SimResult``: the share of used-or-stranded KV memory that holds tokens (top)
-    and the number of running requests (bottom); long runs are drawn at every k-th step."""
-    import numpy as np
-
+    """Per step, for each ``SimResult``: the share of KV memory holding tokens (top), requests running."""
     from pagedlib.sim.simulate import CATEGORIES
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.0), sharex=True, layout="constrained")
+    fig, (top, bottom) = _new_figure(9.0, 5.0, nrows=2, sharex=True)
     for r in results:
         every = max(1, len(r.series["step"]) // 1500)  # at most ~1,500 points a line
         s = {k: v[::every] for k, v in r.series.items()}
@@ -389,10 +344,8 @@ def plot_serving_timeline(results: list) -> Figure:
         style = {"color": POLICY_COLORS.get(r.policy), "lw": 0.9, "label": r.policy}
         top.plot(s["step"], util, **style)
         bottom.plot(s["step"], s["running"], **style)
-    top.set_ylabel("memory holding tokens (%)")
-    top.set_ylim(0, 102)
-    bottom.set_ylabel("running requests")
-    bottom.set_xlabel("step (one batched forward pass)")
+    top.set(ylabel="memory holding tokens (%)", ylim=(0, 102))
+    bottom.set(ylabel="running requests", xlabel="step (one batched forward pass)")
     bottom.legend(frameon=False, fontsize=8, loc="upper right")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
@@ -401,36 +354,22 @@ def plot_serving_timeline(results: list) -> Figure:
 
 def plot_policy_sweep(rows: list[dict], x: str, ys: list[tuple[str, str]], xlabel: str,
                       title: str = "") -> Figure:
-    """One panel per ``(key, label)`` in ``ys``: that column of ``rows`` against column ``x`` (log-2 axis),
-    one line per policy (rows as ``SimResult.row()`` makes them). Y axes start at 0; policies get their own
-    marker size and line style, so lines that coincide (two policies at 0) stay visible."""
-    fig, axes = plt.subplots(1, len(ys), figsize=(4.6 * len(ys), 3.4), layout="constrained", squeeze=False)
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    """A panel per ``(key, label)`` in ``ys``: that column of ``SimResult.row()`` rows vs ``x``, by policy."""
+    fig, axes = _new_figure(4.6 * len(ys), 3.4, ncols=len(ys), squeeze=False)
     for ax, (key, label) in zip(axes[0], ys):
-        for i, policy in enumerate(policies):
-            pts = sorted((r[x], r[key]) for r in rows if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^"[i % 4], ms=9 - 2 * (i % 4),
-                    ls=("-", "--", ":", "-.")[i % 4], color=POLICY_COLORS.get(policy), label=policy,
+        for i, (policy, (xs, vals)) in enumerate(_lines(rows, "policy", x, key)):
+            ax.plot(xs, vals, marker="osD^"[i % 4], ms=9 - 2 * (i % 4), ls=("-", "--", ":", "-.")[i % 4],
+                    color=POLICY_COLORS.get(policy), label=policy,
                     clip_on=False, zorder=3)  # markers on the 0 line stay whole
-        ticks = sorted({r[x] for r in rows})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
-        ax.set_ylim(bottom=0, top=1.08 * max(max(r[key] for r in rows), 1e-9))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(label)
+        _log2_ticks(ax, sorted({r[x] for r in rows}), fontsize=8)
+        ax.set(ylim=(0, 1.08 * max(max(r[key] for r in rows), 1e-9)), xlabel=xlabel, ylabel=label)
         ax.grid(alpha=0.3)
     axes[0][0].legend(frameon=False, fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return fig
+    return _suptitle(fig, title)
 
 
 def _occupancy_rgb(owner, filled):
-    """RGB of slots (any shape): white if free, the owner's colour if it holds a token, a pale tint of it
-    if it is set aside but empty."""
-    import numpy as np
-    from matplotlib.colors import to_rgb
-
+    """RGB of slots: white if free, the owner's colour if it holds a token, a pale tint if set aside."""
     palette = np.array([to_rgb(c) for c in REQUEST_COLORS])
     rgb = np.ones((*owner.shape, 3))
     held = owner >= 0
@@ -440,11 +379,9 @@ def _occupancy_rgb(owner, filled):
 
 
 def plot_pool_occupancy(results: list, title: str = "") -> Figure:
-    """The pool over time, one panel per ``SimResult`` recorded with ``record_occupancy``: x is the step,
-    y the slot address; colour = request (solid: holds a token, pale: set aside and empty), white = free;
-    a black triangle on top marks a step at which requests were preempted."""
-    fig, axes = plt.subplots(1, len(results), figsize=(4.4 * len(results) + 2.0, 4.0), layout="constrained",
-                             squeeze=False, sharex=True, sharey=True)
+    """The pool over time (x: step, y: slot address), a panel per ``SimResult`` with ``record_occupancy``."""
+    fig, axes = _new_figure(4.4 * len(results) + 2.0, 4.0, ncols=len(results), squeeze=False, sharex=True,
+                            sharey=True)
     for ax, r in zip(axes[0], results):
         occ = r.occupancy
         slots = occ.owner.shape[1]
@@ -455,25 +392,17 @@ def plot_pool_occupancy(results: list, title: str = "") -> Figure:
                 ax.axhline(b * r.block_size, color="white", lw=0.3)
         hit = r.series["preempted"] > 0
         ax.plot(r.series["step"][hit], [slots - 2] * int(hit.sum()), "v", color="black", ms=4)
-        ax.set_xlim(-0.5, max(res.occupancy.steps[-1] for res in results) + 0.5)  # one step axis for all
-        ax.set_ylim(0, slots)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"slot address ({slots} slots, block_size {r.block_size})")
+        last = max(res.occupancy.steps[-1] for res in results)  # one step axis for all panels
+        ax.set(xlim=(-0.5, last + 0.5), ylim=(0, slots), xlabel="step",
+               ylabel=f"slot address ({slots} slots, block_size {r.block_size})")
         ax.set_title(f"{r.policy}: mean {r.mean_running:.1f} running, {r.steps} steps, "
                      f"{r.preemptions} preemptions", fontsize=9)
-    axes[0][-1].legend(handles=_occupancy_legend(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                       frameon=False, fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return fig
+    _legend_right(axes[0][-1], _occupancy_legend())
+    return _suptitle(fig, title)
 
 
 def _occupancy_legend() -> list:
     """Legend of the pool pictures: the request colours (by id, cycling), their pale tint, free, preempted."""
-    from matplotlib.colors import to_rgb
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     n = len(REQUEST_COLORS)
     handles = [Patch(color=c, label=f"request {i}, {i + n}, ... (holds a token)")
                for i, c in enumerate(REQUEST_COLORS[:4])]
@@ -486,17 +415,13 @@ def _occupancy_legend() -> list:
 
 
 def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
-    """The pool of a recorded ``SimResult`` at its ``index``-th recorded step, ``cols`` blocks per row and the
-    address growing upwards as in ``plot_pool_occupancy`` (row 0 at the bottom): each box is a block of
-    ``block_size`` slots, coloured as there, and each run of slots one request holds carries its id."""
-    from matplotlib.patches import Patch
-
+    """The pool of a recorded ``SimResult`` at its ``index``-th step, ``cols`` blocks a row."""
     occ, bs = result.occupancy, result.block_size
     owner, filled = occ.owner[index], occ.filled[index]
     rows, width = ceil_div(len(owner) // bs, cols), cols * bs
-    pad = rows * width - len(owner)
-    grid_owner = _pad(owner, pad, -1).reshape(rows, width)
-    grid_filled = _pad(filled, pad, False).reshape(rows, width)
+    pad = (0, rows * width - len(owner))
+    grid_owner = np.pad(owner, pad, constant_values=-1).reshape(rows, width)
+    grid_filled = np.pad(filled, pad, constant_values=False).reshape(rows, width)
     fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 4.0, 14.0), 0.55 * rows + 1.4)
     ax.imshow(_occupancy_rgb(grid_owner, grid_filled), interpolation="nearest", aspect="auto",
               origin="lower", extent=(0, width, 0, rows))
@@ -510,48 +435,51 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
             ax.text(i % width + 0.3, i // width + 0.5, str(owner[i]), ha="left", va="center", fontsize=7)
     ax.set_xticks(range(0, width + 1, bs))
     ax.set_yticks([r + 0.5 for r in range(rows)], [str(r * width) for r in range(rows)], fontsize=7)
-    ax.set_xlabel(f"slot offset in the row (one box = one block of {bs} slots; a number: the request id)")
-    ax.set_ylabel("first slot address of the row")
+    ax.set(xlabel=f"slot offset in the row (one box = one block of {bs} slots; a number: the request id)",
+           ylabel="first slot address of the row")
     solid = Patch(color=REQUEST_COLORS[0], label="solid: holds a token (colour by request)")
-    ax.legend(handles=[solid, *_occupancy_legend()[5:-1]], loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              frameon=False, fontsize=7)
+    _legend_right(ax, [solid, *_occupancy_legend()[5:-1]], fontsize=7)
     held = len(set(owner[owner >= 0].tolist()))
     ax.set_title(f"{result.policy}, step {occ.steps[index]}: {held} requests hold {int((owner >= 0).sum())} "
                  f"of {len(owner)} slots, {int(filled.sum())} with a token", fontsize=9)
     return fig
 
 
-def _pad(a, n: int, value):
-    import numpy as np
-
-    return np.concatenate([a, np.full(n, value, dtype=a.dtype)]) if n else a
-
-
 def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
-    """``plot_pool_step`` rendered to PNG bytes and closed: the frames of the notebook-07 slider (an
-    ``ipywidgets.Image``, so no output widget has to capture a figure)."""
-    import io
-
+    """``plot_pool_step`` as PNG bytes (the figure closed): the frames of the notebook-07 slider."""
     fig = plot_pool_step(result, index)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
 
+
+def plot_prefix_caching(results: dict[str, object], title: str = "") -> Figure:
+    """Prefix caching off vs on (label -> ``SimResult``): running requests, and prompt tokens by source."""
+    fig, (left, right) = _new_figure(9.0, 3.2, ncols=2, width_ratios=[2, 1])
+    for (label, r), color in zip(results.items(), (OWNER_COLORS[3], OWNER_COLORS[0])):
+        left.plot(r.series["step"], r.series["running"], color=color, lw=0.9, label=label)
+    left.set(xlabel="step (one batched forward pass)", ylabel="running requests")
+    left.grid(alpha=0.3)
+    left.legend(frameon=False, fontsize=8)
+    labels = list(results)
+    computed = [r.prefill_tokens / 1000 for r in results.values()]
+    found = [r.cached_tokens / 1000 for r in results.values()]
+    right.bar(labels, computed, color=OWNER_COLORS[3], label="prefilled (computed)")
+    right.bar(labels, found, bottom=computed, color=CACHED_COLOR, label="found in the cache")
+    right.set(ylabel="tokens at admission (thousands)",
+              ylim=(0, 1.35 * max(c + f for c, f in zip(computed, found))))  # room for the legend
+    right.legend(frameon=False, fontsize=8, loc="upper center")
+    right.grid(alpha=0.3, axis="y")
+    return _suptitle(fig, title)
+
+
 # --- notebook 08: end to end ----------------------------------------------------------------------
 
-
 def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") -> Figure:
-    """Blocks held per request after each engine step, stacked, free blocks above them in grey; in the row
-    above the pool a dot marks the step a request finished, a cross the step it was preempted.
+    """Blocks held per request after each engine step, stacked; a mark where one finished or was preempted.
 
-    Args:
-        history: one dict per step: ``blocks`` (request id -> blocks held), ``preempted`` and
-            ``finished`` (lists of request ids), as ``Engine.step`` and ``engine.cache.tables`` give them.
-        num_blocks: the pool size (the height of every bar).
-    """
-    from matplotlib.lines import Line2D
-
+    ``history``: per step, ``blocks`` (request id -> blocks held), ``preempted`` and ``finished`` (ids)."""
     fig, ax = _new_figure(8.0, 3.2)
     ids = sorted({r for h in history for r in h["blocks"]} | {r for h in history for r in h["finished"]})
     steps, bottom = range(len(history)), [0] * len(history)
@@ -560,7 +488,7 @@ def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") 
         ax.bar(steps, held, bottom=bottom, width=1.0, linewidth=0, label="free" if r == "free" else
                f"request {r}", color=FREE_COLOR if r == "free" else owner_color(r))
         bottom = [b + n for b, n in zip(bottom, held)]
-    top = num_blocks / 16                                         # the marker row above the pool
+    top = num_blocks / 16  # the marker row above the pool
     for t, h in enumerate(history):
         for r in h["finished"]:
             ax.plot(t, num_blocks + top, marker="o", color=owner_color(r), ms=5)
@@ -568,39 +496,9 @@ def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") 
             ax.plot(t, num_blocks + 2.2 * top, marker="x", color=owner_color(r), ms=7, mew=2)
     marks = [Line2D([], [], ls="", marker=m, color="0.3", label=text, ms=6)
              for m, text in (("o", "finished (in its colour)"), ("x", "preempted (in its colour)"))]
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("KV blocks held")
-    ax.set_yticks(range(0, num_blocks + 1, ceil_div(num_blocks, 8)))      # whole blocks only
-    ax.set_ylim(0, num_blocks + 3 * top)
-    ax.set_xlim(-0.5, len(history) - 0.5)
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + marks, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              frameon=False, fontsize=8)
+    ax.set(xlabel="engine step", ylabel="KV blocks held", ylim=(0, num_blocks + 3 * top),
+           xlim=(-0.5, len(history) - 0.5))
+    ax.set_yticks(range(0, num_blocks + 1, ceil_div(num_blocks, 8)))  # whole blocks only
+    _legend_right(ax, ax.get_legend_handles_labels()[0] + marks)
     ax.set_title(title or "Blocks held per request after each step", fontsize=9)
-    return fig
-
-
-def plot_prefix_caching(results: dict[str, object], title: str = "") -> Figure:
-    """Prefix caching off against on, at the same budget (``results``: label -> ``SimResult``). Left: the
-    running requests at each step. Right: the prompt tokens of every admission (recomputations included),
-    split into those prefilled (K/V computed) and those found in the prefix cache, in thousands."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.2), layout="constrained",
-                                      gridspec_kw={"width_ratios": [2, 1]})
-    colors = (OWNER_COLORS[3], OWNER_COLORS[0])
-    for (label, r), color in zip(results.items(), colors):
-        left.plot(r.series["step"], r.series["running"], color=color, lw=0.9, label=label)
-    left.set_xlabel("step (one batched forward pass)")
-    left.set_ylabel("running requests")
-    left.grid(alpha=0.3)
-    left.legend(frameon=False, fontsize=8)
-    labels = list(results)
-    computed = [r.prefill_tokens / 1000 for r in results.values()]
-    found = [r.cached_tokens / 1000 for r in results.values()]
-    right.bar(labels, computed, color=OWNER_COLORS[3], label="prefilled (computed)")
-    right.bar(labels, found, bottom=computed, color=CACHED_COLOR, label="found in the cache")
-    right.set_ylabel("tokens at admission (thousands)")
-    right.set_ylim(0, 1.35 * max(c + f for c, f in zip(computed, found)))   # room for the legend
-    right.legend(frameon=False, fontsize=8, loc="upper center")
-    right.grid(alpha=0.3, axis="y")
-    if title:
-        fig.suptitle(title, fontsize=10)
     return fig
