@@ -1,10 +1,8 @@
 """``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06).
 
-Each button calls one of the cache's own methods; the tracer adds what the reader looks at and a history of
-immutable snapshots (a copy of the cache and of the view after each action that changes it) for Back and
-Forward. Token ``p`` is written as ``k = v = p`` and, with prefix caching, has token id ``p``. A failed
-action changes nothing (checks first, in ``teach._checks``; cache calls are all-or-nothing). One thread.
-"""
+Each button calls one of the cache's own methods; Back and Forward walk a history of snapshots (a copy of
+the cache and of the view). Token ``p`` is written as ``k = v = p``, with token id ``p``. A failed action
+changes nothing (checks first, in ``teach._checks``; cache calls are all-or-nothing)."""
 
 from __future__ import annotations
 
@@ -20,9 +18,7 @@ import torch
 from pagedlib.checks import as_int
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.teach import _checks
-from pagedlib.teach.tracer_view import render_history, render_html
-
-__all__ = ["SCENARIO", "BlockTableTracer"]
+from pagedlib.teach.tracer_view import _s, render_history, render_html
 
 # Play's scenario, one (operation, seq id or None, token count, narration) per step, for block_size 4.
 SCENARIO: tuple[tuple[str, int | None, int, str], ...] = (
@@ -44,8 +40,6 @@ SCENARIO: tuple[tuple[str, int | None, int, str], ...] = (
 )
 
 _USER_ERRORS = (ValueError, LookupError, OutOfBlocksError)  # bad input or a full pool; never a bug
-
-
 # One step of the history: a copy of the cache (never written to) and what the view showed.
 _Step = collections.namedtuple("_Step", "cache next_id selected lookup copied log")
 
@@ -83,13 +77,11 @@ _BUTTONS: dict[str, tuple[str, str, Callable[[BlockTableTracer], Any]]] = {  # a
 
 
 class BlockTableTracer:
-    """Interactive block-table tracer over a real ``PagedKVCache``; its buttons act on ``selected`` and call
-    the same methods as notebooks and tests.
+    """Interactive block-table tracer over a real ``PagedKVCache``; its buttons act on ``selected``.
 
     Args:
         num_blocks, block_size: the pool, small so every slot fits on screen (at most ``MAX_SLOTS``).
-        free_order: the order blocks are handed out (``PagedKVCache``'s): ``free_order[0]`` first.
-        enable_prefix_caching: give the cache a prefix cache; token ids are positions.
+        free_order, enable_prefix_caching: passed to the ``PagedKVCache``.
     """
 
     def __init__(self, num_blocks: int = 12, block_size: int = 4, *,
@@ -104,8 +96,7 @@ class BlockTableTracer:
 
     @classmethod
     def article_trace(cls) -> BlockTableTracer:
-        """The article's starting point: block_size 4, seq 0 holds 7 tokens in blocks [5, 2], the next
-        block handed out is 9; the append rings the slot it wrote last, position 6."""
+        """The article's starting point: seq 0 holds 7 tokens in blocks [5, 2]; the next block is 9."""
         tracer = cls(num_blocks=12, block_size=4, free_order=[5, 2, 9])
         tracer.append(tracer.add_sequence(), 7)
         return tracer
@@ -127,8 +118,7 @@ class BlockTableTracer:
 
     @_action
     def add_sequence(self, prompt_len: int = 0) -> int:
-        """Add a sequence with a ``prompt_len``-token prompt (ids and K/V ``0 .. prompt_len-1``), select it,
-        return its id. The cache first attaches the cached blocks of its leading full blocks, if any."""
+        """Add and select a sequence with a ``prompt_len``-token prompt (cached blocks attached); its id."""
         n, found = _checks.new_prompt(self.cache, self._next_id, prompt_len)  # counts its blocks first
         seq_id, cache = self._next_id, self.cache
         hit = cache.add_sequence(seq_id, list(range(n)) if cache.prefix_cache is not None and n else None)
@@ -145,8 +135,7 @@ class BlockTableTracer:
 
     @_action
     def fork(self, seq_id: int | None = None) -> int:
-        """Fork ``seq_id`` (default: the selected sequence) into a new sequence, select it and return its
-        id: ``cache.fork`` copies the parent's block table, not its K/V, so every block becomes shared."""
+        """Fork ``seq_id`` (default: the selected one) into a new, selected sequence; return its id."""
         parent = _checks.target(seq_id, self._selected, self.cache.tables)
         _checks.room(self.cache.tables)
         child, cache = self._next_id, self.cache
@@ -164,9 +153,7 @@ class BlockTableTracer:
 
     @_action
     def append(self, seq_id: int | None = None, n: int = 1) -> None:
-        """Append ``n`` tokens to ``seq_id`` (default: the selected sequence) and select it: one through
-        ``cache.append_token``, several (a prompt) through ``cache.append_tokens``, which takes every block
-        they need up front, or none. A shared, partly filled last block is copied first (copy-on-write)."""
+        """Append ``n`` tokens to ``seq_id`` (default: the selected sequence) and select it."""
         seq_id = _checks.target(seq_id, self._selected, self.cache.tables)
         n = _checks.tokens("n", n, self.cache, minimum=1)  # before any K/V is built for them
         start = self.cache.seq_lens[seq_id]
@@ -176,8 +163,7 @@ class BlockTableTracer:
 
     @_action
     def free(self, seq_id: int | None = None) -> None:
-        """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref; a block nobody
-        holds goes back on the free stack or, its content cached, joins the cached free blocks."""
+        """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref."""
         seq_id, cache = _checks.target(seq_id, self._selected, self.cache.tables), self.cache
         blocks, freed = list(cache.tables[seq_id]), cache.free_sequence(seq_id)
         queue = cache.prefix_cache.free_queue if cache.prefix_cache is not None else {}
@@ -193,8 +179,7 @@ class BlockTableTracer:
 
     @_action
     def lookup(self, seq_id: int | None, pos: int) -> tuple[int, int, int]:
-        """Ring where token ``pos`` of ``seq_id`` lives; returns ``(logical_block, physical_block, offset)``,
-        i.e. ``(pos // block_size, table[pos // block_size], pos % block_size)``."""
+        """Ring where token ``pos`` of ``seq_id`` lives: ``(logical_block, physical_block, offset)``."""
         seq_id, pos = _checks.target(seq_id, self._selected, self.cache.tables), as_int("pos", pos)
         block, offset = self.cache.slot(seq_id, pos)  # the cache's IndexError if pos is out of range
         bs = self.cache.block_size
@@ -210,7 +195,7 @@ class BlockTableTracer:
 
     @_action
     def back(self) -> None:
-        """Show the state one step earlier (``cache`` becomes a copy of that step's); Forward redoes."""
+        """Show the state one step earlier (``cache`` becomes a copy of that step's)."""
         self._restore(_checks.history_step(self._at - 1, len(self._history) - 1))
 
     @_action
@@ -222,8 +207,7 @@ class BlockTableTracer:
             self._restore(_checks.history_step(self._at + 1, len(self._history) - 1))
 
     def play_to(self, step: int) -> None:
-        """Show the scenario after its first ``step`` steps: a fresh pool, then ``SCENARIO[:step]`` as
-        ordinary actions (one that fails stops there, showing and raising its error)."""
+        """Show the scenario after its first ``step`` steps, played as ordinary actions on a fresh pool."""
         step = _checks.step(step, len(SCENARIO))
         self.reset()
         self._scripted = True
@@ -356,10 +340,6 @@ class BlockTableTracer:
         bundle = self.widget._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = "BlockTableTracer({} blocks, block_size {})".format(*self._geometry)
         return bundle
-
-
-def _s(items: Sequence[object]) -> str:
-    return "s" if len(items) > 1 else ""
 
 
 def _ids(blocks: Sequence[int]) -> str:
