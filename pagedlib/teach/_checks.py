@@ -9,8 +9,7 @@ from typing import Any
 from pagedlib.checks import as_int, ceil_div
 from pagedlib.core.cache import OutOfBlocksError, UnknownSequenceError
 
-# The view draws every slot and every sequence; beyond these it refuses (a 20,000-block pool would be
-# tens of MiB of HTML per click). The largest view allowed is ~0.3 MiB.
+# The view draws every slot and sequence: beyond these it refuses (the largest view is ~0.3 MiB of HTML)
 MAX_SLOTS = 512       # num_blocks * block_size
 MAX_SEQUENCES = 32    # live sequences
 
@@ -78,9 +77,8 @@ def history_step(at: int, last: int) -> int:
 
 
 def prompt_fits(cache: Any, seq_id: int, n: int) -> list[int]:
-    """The cached blocks a prompt of ``n`` tokens (ids ``0 .. n-1``) would attach, looked up without
-    counting a query; ``OutOfBlocksError`` if the rest needs more blocks than are free once those are
-    attached (a cached block waiting in the free queue stops being free)."""
+    """The cached blocks a prompt of ids ``0 .. n-1`` would attach (a peek, no query counted), or
+    ``OutOfBlocksError`` if the rest needs more blocks than stay free once those are attached."""
     pc = cache.prefix_cache
     found = pc.peek(range(n)) if pc is not None and n else []
     need = ceil_div(n, cache.block_size) - len(found)

@@ -1,6 +1,4 @@
-"""The course's colours, shared by the matplotlib figures (``plots``) and the tracer widget's HTML
-(``tracer_view``), so a sequence has the same colour in every picture. Plain strings: no matplotlib here.
-
+"""The course's colours, shared by ``plots`` and ``tracer_view`` so a sequence has one colour everywhere.
 The sequence palette holds no green: green means a cached free block (prefix caching, notebook 06)."""
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ CACHED_EDGE = "#6AAA6A"   # its border and kept slots in the tracer widget
 
 
 def owner_color(seq_id: object, order: list[object] | None = None) -> str:
-    """Colour of a sequence: ``OWNER_COLORS[seq_id % 8]`` for an int id (as the tracer widget does),
-    else by the id's rank in ``order``."""
+    """Colour of a sequence: ``OWNER_COLORS[seq_id % 8]`` for an int id, else by its rank in ``order``."""
     if isinstance(seq_id, int) and not isinstance(seq_id, bool):
         return OWNER_COLORS[seq_id % len(OWNER_COLORS)]
     rank = order.index(seq_id) if order and seq_id in order else 0

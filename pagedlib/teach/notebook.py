@@ -14,8 +14,7 @@ def source_html(obj: Any) -> str:
     from pygments.lexers import PythonLexer
 
     code = textwrap.dedent(inspect.getsource(obj))
-    formatter = HtmlFormatter(noclasses=True, style="default", nobackground=True)
-    body = highlight(code, PythonLexer(), formatter)
+    body = highlight(code, PythonLexer(), HtmlFormatter(noclasses=True, style="default", nobackground=True))
     module = getattr(obj, "__module__", "")
     name = getattr(obj, "__qualname__", getattr(obj, "__name__", ""))
     caption = f"<div style='font-size:85%;color:#666'>source: <code>{module}.{name}</code></div>"
@@ -23,10 +22,7 @@ def source_html(obj: Any) -> str:
 
 
 def show_source(obj: Any) -> Any:
-    """Display the highlighted source of a ``pagedlib`` function, class or method in a notebook.
-
-    The notebooks never copy code: they show the library's own source with this, then run it.
-    """
+    """Display the highlighted source of a ``pagedlib`` function, class or method in a notebook."""
     from IPython.display import HTML
 
     return HTML(source_html(obj))

@@ -1,8 +1,6 @@
 """The tracer's view: ``render_html(cache, ...)``, a pure function from a ``PagedKVCache``'s public state to
-one HTML string, one small function per panel; ``render_history`` draws the log of every step. Styles are
-inline (an untrusted notebook keeps only those); where a static page drops them the text still reads: ids
-are separated, a card is one line, runs of empty free blocks collapse. Classes and ``data-*`` are for tests.
-"""
+one HTML string, one small function per panel. Styles are inline (an untrusted notebook keeps only those),
+and the text still reads without them; classes and ``data-*`` attributes are for the tests."""
 
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ def _hatch(color: str) -> str:
 
 
 def _el(tag: str, style: str, body: str = "", cls: str = "", title: str = "", **data: object) -> str:
-    """``<tag class=.. data-..=.. title=.. style=..>body</tag>``. Values are ints and fixed words."""
+    """``<tag class=.. data-..=.. title=.. style=..>body</tag>``; values are ints and fixed words."""
     attrs = f" class='{cls}'" * bool(cls) + "".join(f" data-{k}='{v}'" for k, v in data.items())
     return f"<{tag}{attrs}{f' title={title!r}' * bool(title)} style='{style}'>{body}</{tag}>"
 
@@ -66,10 +64,8 @@ def render_html(cache: PagedKVCache, *, selected: int | None = None, lookup: tup
     """The tracer's view of ``cache`` as one self-contained HTML string.
 
     Args:
-        selected: the sequence the buttons act on; its blocks are outlined and its decode reads listed.
-        lookup: ``(seq_id, pos)`` whose path ``pos -> logical block -> physical block, offset`` is ringed.
-        copied: ``(original, copy)`` of the copy-on-write the last action made (the copy is tinted).
-        log, error: the explanation of the last action and the last error (plain text).
+        selected: the sequence the buttons act on; lookup: the ``(seq_id, pos)`` ringed.
+        copied: ``(original, copy)`` of the last copy-on-write; log, error: plain text.
     """
     drawable(cache)
     hit = cache.slot(*lookup) if lookup is not None else None
