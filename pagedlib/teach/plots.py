@@ -284,7 +284,8 @@ def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evicti
     fig, ax = _new_figure(7.0, 3.4)
     ax.plot(pool_blocks, [100 * r for r in hit_rates], "o-", color=OWNER_COLORS[0],
             label="hit rate (left axis)")
-    ax.set(xlabel="pool size (blocks)", ylim=(0, 100), title=title)
+    ax.set(xlabel="pool size (blocks)", ylim=(0, 100))
+    ax.set_title(title, fontsize=9)
     ax.set_ylabel("prompt tokens found in the cache (%)", color=OWNER_COLORS[0])
     twin = ax.twinx()
     twin.plot(pool_blocks, evictions, "s--", color=OWNER_COLORS[3], label="evictions (right axis)")
@@ -295,7 +296,6 @@ def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evicti
         ax.text(x, 97, f" {text}", fontsize=7, color="#555555", va="top", ha="left")
     fig.legend(loc="outside lower center", ncols=2, frameon=False, fontsize=8)
     ax.grid(alpha=0.3)
-    ax.title.set_fontsize(9)
     return fig
 
 
@@ -383,8 +383,7 @@ def plot_pool_occupancy(results: list, title: str = "") -> Figure:
     fig, axes = _new_figure(4.4 * len(results) + 2.0, 4.0, ncols=len(results), squeeze=False, sharex=True,
                             sharey=True)
     for ax, r in zip(axes[0], results):
-        occ = r.occupancy
-        slots = occ.owner.shape[1]
+        occ, slots = r.occupancy, r.occupancy.owner.shape[1]
         ax.imshow(_occupancy_rgb(occ.owner.T, occ.filled.T), aspect="auto", origin="lower",
                   interpolation="nearest", extent=(occ.steps[0] - 0.5, occ.steps[-1] + 0.5, 0, slots))
         if r.policy == "paged" and slots // r.block_size <= 64:
