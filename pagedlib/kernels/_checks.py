@@ -62,13 +62,12 @@ def _check_tables(q, tables, lens, num_blocks: int, bs: int) -> None:
         if t.dtype != torch.int32 or t.dim() != shape.count(",") + 1:
             raise ValueError(f"{name} must be an int32 tensor of shape {shape}, "
                              f"got {t.dtype} {list(t.shape)}")
-    if tables.shape[0] != lens.shape[0]:
-        raise ValueError(f"block_tables and seq_lens must describe the same sequences, got "
-                         f"{tables.shape[0]} rows and {lens.shape[0]} lengths")
-    if q.shape[0] != lens.shape[0]:
-        raise ValueError(f"q must hold one query token per sequence, [batch={lens.shape[0]}, q_heads, "
-                         f"head_dim], got {list(q.shape)} (several tokens of one sequence: use "
-                         f"paged_prefill_attention)")
+    n = lens.shape[0]
+    refuse((tables.shape[0] != n, f"block_tables and seq_lens must describe the same sequences, got "
+                                  f"{tables.shape[0]} rows and {n} lengths"),
+           (q.shape[0] != n,
+            f"q must hold one query token per sequence, [batch={n}, q_heads, head_dim], got {list(q.shape)} "
+            "(several tokens of one sequence: use paged_prefill_attention)"))
     max_blocks, lens = tables.shape[1], lens.long()                                    # [batch]
     bad_len = (lens < 1) | (lens > max_blocks * bs)                                     # [batch]
     used = torch.arange(max_blocks, device=lens.device) < (lens[:, None] + bs - 1) // bs  # [batch, blocks]
@@ -119,14 +118,12 @@ def check_prefill(q, k_cache, v_cache, table, seq_len) -> int:
 
 
 def check_contiguous(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    refuse(*((not isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+             for name, t in (("q", q), ("k", k), ("v", v))))
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[::3] != k.shape[::3]:
         raise ValueError(f"q must be [batch, q_heads, q_len, head_dim] and k, v both [batch, kv_heads, "
                          f"kv_len, head_dim] (one batch, one head_dim); got {_got(q)}, {_got(k)}, {_got(v)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
+    refuse((q.shape[1] % k.shape[1], f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})"))
 
 
 def check_window(q_len, kv_len, window) -> tuple[int, int, int]:
