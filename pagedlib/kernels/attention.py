@@ -1,7 +1,6 @@
-"""Attention that reads its keys and values through block tables (notebook 04): ``reference_paged_attention``
-(the article's per-token oracle), ``paged_attention`` (vectorized decode: gather whole blocks, mask, two
-matmuls), ``paged_prefill_attention``, ``contiguous_attention`` (the SDPA baseline) and
-``paged_attention_oracle`` (float64, for kernels). GQA: query head ``h`` attends with KV head
+"""Attention through block tables (notebook 04): the article's per-token oracle ``reference_paged_attention``,
+the vectorized decode ``paged_attention``, ``paged_prefill_attention``, the SDPA baseline
+``contiguous_attention`` and the float64 ``paged_attention_oracle``. GQA: query head ``h`` uses KV head
 ``h // (q_heads // kv_heads)``. Inputs are only read; slots that hold no token (NaN included) never reach a
 result."""
 

@@ -1,10 +1,8 @@
 """A fused Triton paged-attention decode kernel (notebook 05): ``paged_attention_triton`` takes
 ``paged_attention``'s arguments and returns its result without a contiguous copy of K/V. One program per
-(sequence, KV head, split) loads the query heads of its GQA group as one tile, walks its block table a tile
-of tokens at a time (``_kv_tile``) and keeps an online softmax over the tiles (``_decode_tiles``) in fp32,
-with base-2 exponentials (``log2(e)`` folded into the scale). With split-K each program writes a partial
-``(m, l, acc)`` that ``_merge_splits_kernel`` combines by log-sum-exp. Every load is masked at the sequence
-length: slots that hold no token are never read."""
+(sequence, KV head, split) walks its block table a tile of tokens at a time (``_kv_tile``) with an online
+softmax in fp32 (``_decode_tiles``); with split-K, ``_merge_splits_kernel`` combines their partial states
+by log-sum-exp. Every load is masked at the sequence length: slots that hold no token are never read."""
 
 from __future__ import annotations
 
