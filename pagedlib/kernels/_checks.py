@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, refuse
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 256, 128, 64  # the Triton kernel's limits
@@ -17,14 +17,12 @@ PAGED_ARGS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens")
 def check_number(name: str, value: object, zero_ok: bool = False) -> float:
     """``value`` as a float: finite and > 0 (``scale``), or >= 0 with inf allowed (``chunk_bytes``)."""
     x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
-    if not (x >= 0 if zero_ok else 0 < x < math.inf):
-        what = "a number >= 0 (math.inf: no limit)" if zero_ok else "a finite number > 0"
-        raise ValueError(f"{name} must be None or {what}, got {value!r}")
+    what = "a number >= 0 (math.inf: no limit)" if zero_ok else "a finite number > 0"
+    refuse((not (x >= 0 if zero_ok else 0 < x < math.inf), f"{name} must be None or {what}, got {value!r}"))
     return x
 
 
-def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int, int, int]:
+def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
     """``paged_attention``'s tensors (one device sync) -> ``(batch, q_heads, kv_heads, head_dim, bs)``."""
     for name, t in zip(PAGED_ARGS, (q, k_cache, v_cache, block_tables, seq_lens)):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
@@ -46,12 +44,10 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         if size < 1:
             raise ValueError(f"k_cache's {('block_size', 'kv_heads', 'head_dim')[i]} (dim {i + 1}) must be "
                              f">= 1, got shape {list(k_cache.shape)}")
-    if batch < 1:
-        raise ValueError("q must hold at least one sequence (batch >= 1), got batch 0")
-    if q_dim != head_dim:
-        raise ValueError(f"q's head_dim must equal the cache's head_dim {head_dim}, got {q_dim}")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads ({q_heads}) must be a multiple of the cache's kv_heads ({kv_heads})")
+    refuse((batch < 1, "q must hold at least one sequence (batch >= 1), got batch 0"),
+           (q_dim != head_dim, f"q's head_dim must equal the cache's head_dim {head_dim}, got {q_dim}"),
+           (q_heads % kv_heads, f"q_heads ({q_heads}) must be a multiple of the cache's kv_heads "
+                                f"({kv_heads})"))
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must have a dtype in {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -61,19 +57,17 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return batch, q_heads, kv_heads, head_dim, block_size
 
 
-def _check_tables(q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_blocks: int,
-                  bs: int) -> None:
+def _check_tables(q, tables, lens, num_blocks: int, bs: int) -> None:
     for name, t, shape in (("block_tables", tables, "[batch, max_blocks]"), ("seq_lens", lens, "[batch]")):
         if t.dtype != torch.int32 or t.dim() != shape.count(",") + 1:
             raise ValueError(f"{name} must be an int32 tensor of shape {shape}, "
                              f"got {t.dtype} {list(t.shape)}")
-    if tables.shape[0] != lens.shape[0]:
-        raise ValueError(f"block_tables and seq_lens must describe the same sequences, got "
-                         f"{tables.shape[0]} rows and {lens.shape[0]} lengths")
-    if q.shape[0] != lens.shape[0]:
-        raise ValueError(f"q must hold one query token per sequence, [batch={lens.shape[0]}, q_heads, "
-                         f"head_dim], got {list(q.shape)} (several tokens of one sequence: use "
-                         f"paged_prefill_attention)")
+    n = lens.shape[0]
+    refuse((tables.shape[0] != n, f"block_tables and seq_lens must describe the same sequences, got "
+                                  f"{tables.shape[0]} rows and {n} lengths"),
+           (q.shape[0] != n,
+            f"q must hold one query token per sequence, [batch={n}, q_heads, head_dim], got {list(q.shape)} "
+            "(several tokens of one sequence: use paged_prefill_attention)"))
     max_blocks, lens = tables.shape[1], lens.long()                                    # [batch]
     bad_len = (lens < 1) | (lens > max_blocks * bs)                                     # [batch]
     used = torch.arange(max_blocks, device=lens.device) < (lens[:, None] + bs - 1) // bs  # [batch, blocks]
@@ -94,7 +88,7 @@ def _got(x: object) -> object:
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def check_reference(cache, seq_id, q: torch.Tensor) -> None:
+def check_reference(cache, seq_id, q) -> None:
     """A sequence of ``cache`` with tokens, ``q`` ``[num_layers, 1, q_heads, head_dim]`` in its dtype."""
     pool = cache.k                                      # [num_blocks, num_layers, block_size, kv_heads, D]
     _, layers, _, kv_heads, dim = pool.shape
@@ -110,33 +104,29 @@ def check_reference(cache, seq_id, q: torch.Tensor) -> None:
         raise ValueError(f"sequence {seq_id!r} is empty: attention needs at least one token")
 
 
-def check_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                  seq_len: object) -> int:
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < 1:
-        raise ValueError(f"q must be a tensor of shape [n >= 1, q_heads, head_dim], got {_got(q)}")
-    if not isinstance(table, torch.Tensor) or table.dim() != 1 or table.dtype != torch.int32:
-        got = f"{table.dtype} {list(table.shape)}" if isinstance(table, torch.Tensor) else _got(table)
-        raise ValueError(f"block_table must be a 1-D int32 tensor [max_blocks], got {got}")
+def check_prefill(q, k_cache, v_cache, table, seq_len) -> int:
+    got = f"{table.dtype} {list(table.shape)}" if isinstance(table, torch.Tensor) else _got(table)
+    refuse((not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < 1,
+            f"q must be a tensor of shape [n >= 1, q_heads, head_dim], got {_got(q)}"),
+           (not isinstance(table, torch.Tensor) or table.dim() != 1 or table.dtype != torch.int32,
+            f"block_table must be a 1-D int32 tensor [max_blocks], got {got}"))
     seq_len, n = as_int("seq_len", seq_len, minimum=1), q.shape[0]
-    if seq_len < n:
-        raise ValueError(f"seq_len must be >= n = {n} (the queries are its last n positions), got {seq_len}")
+    refuse((seq_len < n, f"seq_len must be >= n = {n} (the queries are its last n positions), got {seq_len}"))
     lens = torch.tensor([seq_len], dtype=torch.int32, device=table.device)
     check_paged_inputs(q[-1:], k_cache, v_cache, table[None], lens)
     return seq_len
 
 
-def check_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def check_contiguous(q, k, v) -> None:
+    refuse(*((not isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+             for name, t in (("q", q), ("k", k), ("v", v))))
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[::3] != k.shape[::3]:
         raise ValueError(f"q must be [batch, q_heads, q_len, head_dim] and k, v both [batch, kv_heads, "
                          f"kv_len, head_dim] (one batch, one head_dim); got {_got(q)}, {_got(k)}, {_got(v)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
+    refuse((q.shape[1] % k.shape[1], f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})"))
 
 
-def check_window(q_len: object, kv_len: object, window: object) -> tuple[int, int, int]:
+def check_window(q_len, kv_len, window) -> tuple[int, int, int]:
     q_len, kv_len, window = (as_int(n, x, minimum=1) for n, x in zip(("q_len", "kv_len", "window"),
                                                                      (q_len, kv_len, window)))
     if q_len > kv_len:
@@ -145,8 +135,7 @@ def check_window(q_len: object, kv_len: object, window: object) -> tuple[int, in
     return q_len, kv_len, window
 
 
-def check_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_splits: object,
-                 compiled: bool) -> int | None:
+def check_triton(q, k_cache, v_cache, num_splits, compiled: bool) -> int | None:
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"q's head_dim must be at most {MAX_HEAD_DIM} for the Triton kernel, got {head_dim}")

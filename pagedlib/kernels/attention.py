@@ -1,11 +1,8 @@
-"""Attention that reads its keys and values through block tables (notebook 04).
-
-``reference_paged_attention`` is the article's per-token oracle, ``paged_attention`` the vectorized decode
-path (gather whole blocks, mask, two matmuls), ``paged_prefill_attention`` causal attention over a prompt
-in the cache, ``contiguous_attention`` the baseline (PyTorch's ``scaled_dot_product_attention``, SDPA),
-``paged_attention_oracle`` the float64 check for kernels. GQA: query head ``h`` attends with KV head
+"""Attention through block tables (notebook 04): the article's per-token oracle ``reference_paged_attention``,
+the vectorized decode ``paged_attention``, ``paged_prefill_attention``, the SDPA baseline
+``contiguous_attention`` and the float64 ``paged_attention_oracle``. GQA: query head ``h`` uses KV head
 ``h // (q_heads // kv_heads)``. Inputs are only read; slots that hold no token (NaN included) never reach a
-result; nothing is kept between calls."""
+result."""
 
 from __future__ import annotations
 
@@ -14,22 +11,15 @@ import torch.nn.functional as F
 
 from pagedlib.checks import as_int, ceil_div
 from pagedlib.kernels import _checks
-from pagedlib.kernels._checks import SUPPORTED_DTYPES, check_paged_inputs
-
-__all__ = ["REL_ERROR_LIMITS", "SUPPORTED_DTYPES", "TOLERANCES", "check_paged_inputs", "contiguous_attention",
-           "default_chunk_bytes", "kv_bytes", "paged_attention", "paged_attention_oracle",
-           "paged_prefill_attention", "plan_chunks", "reference_paged_attention", "rel_error",
-           "sliding_window_attention", "sliding_window_mask", "softmax_scale"]
+from pagedlib.kernels._checks import check_paged_inputs
 
 #: ``assert_close(a, b, **TOLERANCES[dtype])`` between two outputs: the article's absolute tolerances plus
 #: about one unit in the last place (a bf16 output above 1 has an ulp of 0.0078, more than 5e-3 alone).
-TOLERANCES = {
-    torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
-    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
-    torch.bfloat16: {"atol": 5e-3, "rtol": 1.6e-2},
-}
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1.3e-6}, torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+              torch.bfloat16: {"atol": 5e-3, "rtol": 1.6e-2}}
 #: Limits of ``rel_error(out, paged_attention_oracle(...))`` for a kernel's output of each dtype.
 REL_ERROR_LIMITS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+GPU_CHUNK_BYTES = 64 * 2**20  # paged_attention's default chunk_bytes off the CPU
 
 
 def softmax_scale(head_dim: int, scale: object = None) -> float:
@@ -139,14 +129,11 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Blocks ``ids`` (int64 ``[c, n_blocks]``) of ``cache``, first ``n_tokens`` positions: ``[c, n_tokens,
-    kv_heads, head_dim]``, one ``index_select``."""
+    """Blocks ``ids`` (int64 ``[c, n_blocks]``) of ``cache``, first ``n_tokens`` positions, in one
+    ``index_select``: ``[c, n_tokens, kv_heads, head_dim]``."""
     c, n_blocks = ids.shape
     blocks = cache.index_select(0, ids.reshape(-1))               # [c * n_blocks, block_size, kv_heads, D]
     return blocks.view(c, n_blocks * cache.shape[1], *cache.shape[2:])[:, :n_tokens]
-
-
-GPU_CHUNK_BYTES = 64 * 2**20
 
 
 def default_chunk_bytes(device: torch.device) -> int:
@@ -159,8 +146,7 @@ def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,
                 chunk_bytes: float) -> list[range]:
     """Cut a batch into chunks of consecutive sequences for ``paged_attention``. A chunk's copy is padded to
     its longest sequence; a sequence joins the chunk while that copy stays within ``chunk_bytes`` and within
-    twice the blocks the chunk's sequences hold (so even ``math.inf`` pads no more than the sequences need).
-    """
+    twice the blocks the chunk's sequences hold (so even ``math.inf`` pads no more than they need)."""
     chunks, start, width, own = [], 0, 0, 0             # width: padded tokens per sequence; own: real blocks
     for i, n in enumerate(seq_lens):
         padded = ceil_div(n, block_size) * block_size
@@ -186,10 +172,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k = _gather(k_cache, ids, seq_len).transpose(1, 2)                         # [1, kv_heads, seq_len, D]
     v = _gather(v_cache, ids, seq_len).transpose(1, 2)
     qh = q.transpose(0, 1)[None]                                               # [1, q_heads, n, D]
-    mask = None
-    if n < seq_len:
-        pos = torch.arange(seq_len - n, seq_len, device=q.device)              # [n] query positions
-        mask = torch.arange(seq_len, device=q.device) <= pos[:, None]         # [n, seq_len]
+    pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]        # [n, 1] query positions
+    mask = None if n == seq_len else torch.arange(seq_len, device=q.device) <= pos  # [n, seq_len]
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=True)
     return o[0].transpose(0, 1)                                                # [n, q_heads, D]
@@ -201,8 +185,8 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     ``[batch, q_heads, q_len, head_dim]``, ``k``, ``v`` ``[batch, kv_heads, kv_len, head_dim]``; ``causal``
     masks future keys (prefill, ``q_len == kv_len``). Returns ``q``'s shape."""
     _checks.check_contiguous(q, k, v)
-    scale = softmax_scale(q.shape[3], scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale(q.shape[3], scale),
+                                          enable_gqa=True)
 
 
 def paged_attention_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -239,10 +223,9 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.devi
 def sliding_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int,
                              scale: float | None = None) -> torch.Tensor:
-    """One decode step in which each sequence's newest token sees only its last ``window`` positions:
-    ``paged_attention``'s arguments, the tables and lengths describing the blocks and tokens still held.
-    Released blocks end at a block boundary, so the window is the last ``min(window, n)`` tokens held:
-    ``attend_chunk`` masks the positions before it as it masks those past the length."""
+    """One decode step in which each sequence's newest token sees only its last ``window`` positions;
+    ``paged_attention``'s arguments, the tables and lengths describing the blocks and tokens still held
+    (``attend_chunk`` masks the positions before the window as it masks those past the length)."""
     head_dim = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)[3]
     window, scale = as_int("window", window, minimum=1), softmax_scale(head_dim, scale)
     return attend_chunk(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale, window)

@@ -1,12 +1,8 @@
-"""A fused Triton paged-attention decode kernel (notebook 05).
-
-``paged_attention_triton`` takes ``paged_attention``'s arguments and returns its result without a
-contiguous copy of K/V. One program per (sequence, KV head, split) loads the query heads of its GQA group
-as one tile, walks its block table a tile of tokens at a time (``_kv_tile``) and keeps an online softmax
-over the tiles (``_decode_tiles``) in fp32, with base-2 exponentials (``log2(e)`` folded into the scale).
-With split-K each program writes a partial ``(m, l, acc)`` that ``_merge_splits_kernel`` combines by
-log-sum-exp. Every load is masked at the sequence length: slots that hold no token are never read.
-"""
+"""A fused Triton paged-attention decode kernel (notebook 05): ``paged_attention_triton`` takes
+``paged_attention``'s arguments and returns its result without a contiguous copy of K/V. One program per
+(sequence, KV head, split) walks its block table a tile of tokens at a time (``_kv_tile``) with an online
+softmax in fp32 (``_decode_tiles``); with split-K, ``_merge_splits_kernel`` combines their partial states
+by log-sum-exp. Every load is masked at the sequence length: slots that hold no token are never read."""
 
 from __future__ import annotations
 
@@ -17,12 +13,10 @@ import triton
 import triton.language as tl
 
 from pagedlib.checks import as_int
-from pagedlib.kernels._checks import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_SPLITS, check_triton
+from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # re-exported: model.py checks with it
+from pagedlib.kernels._checks import MAX_SPLITS, check_triton
 from pagedlib.kernels.attention import check_paged_inputs, softmax_scale
 from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpreting
-
-__all__ = ["MAX_BLOCK_SIZE", "MAX_HEAD_DIM", "MAX_SPLITS", "choose_num_splits", "kernel_config",
-           "launch_decode", "paged_attention_triton", "sm_count"]
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 
@@ -160,8 +154,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device``; 1 elsewhere (the interpreter runs one program at a
-    time, so splitting only adds work)."""
+    """Streaming multiprocessors of a CUDA ``device``, else 1 (the interpreter runs one program at a time)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
@@ -170,8 +163,7 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   dot_fp32: bool | None = None) -> torch.Tensor:
     """Launch the kernel(s) on checked inputs, without a host synchronisation (a benchmark can capture it
     in a CUDA graph). ``dot_fp32``: upcast dot operands (default: only in the interpreter)."""
-    batch, q_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    (batch, q_heads, head_dim), (_, block_size, kv_heads, _) = q.shape, k_cache.shape
     cfg = kernel_config(head_dim, q_heads // kv_heads)
     # splits divide the tables' capacity, not the lengths (reading seq_lens would synchronise with the
     # host): a split that starts past its sequence's end finds no tokens and writes an empty state

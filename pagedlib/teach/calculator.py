@@ -107,8 +107,7 @@ class MemoryCalculator:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-def _check_settings(preset: object, dtype: object, max_tokens: object, block_size: object,
-                    num_seqs: object) -> tuple[int, int, int]:
+def _check_settings(preset, dtype, max_tokens, block_size, num_seqs) -> tuple[int, int, int]:
     for name, value, options in (("preset", preset, PRESETS), ("dtype", dtype, DTYPE_BYTES)):
         if value not in options:
             raise ValueError(f"{name} must be one of {sorted(options)}, got {value!r}")

@@ -1,8 +1,5 @@
-"""Compile the Triton kernels for an NVIDIA GPU without one, and read the PTX (notebook 05, tests).
-
-A process whose Triton runs in interpreter mode cannot compile, so ``compile_for_gpu_many`` compiles in a
-subprocess with ``TRITON_INTERPRET=0``; ``ptx_instructions`` and ``ptx_excerpt`` read what it returns.
-"""
+"""Compile the Triton kernels for an NVIDIA GPU without one, and read the PTX (notebook 05, tests). A process
+whose Triton is in interpreter mode cannot compile, so ``compile_for_gpu_many`` compiles in a subprocess."""
 
 from __future__ import annotations
 
@@ -23,33 +20,35 @@ from pagedlib.kernels import triton_decode
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def _decode_source(dtype: str, head_dim: int, block_size: int, group: int, split: bool) -> ASTSource:
+def _decode_source(spec: dict[str, Any]) -> ASTSource:
     """The decode kernel typed as a real launch specialises it (pointers and strides divisible by 16, unit
     strides along head_dim folded to constants)."""
+    dtype, head_dim, split = spec["dtype"], spec["head_dim"], spec["split"]
     fn, ty = triton_decode._paged_decode_kernel, _TRITON_TYPES[dtype]
     pointers = {"q_ptr": ty, "k_ptr": ty, "v_ptr": ty, "table_ptr": "i32", "lens_ptr": "i32",
                 "out_ptr": "fp32" if split else ty, "m_ptr": "fp32", "l_ptr": "fp32"}
     unit = {"stride_qd", "stride_kd", "stride_vd", "stride_tn", "stride_od"}
     signature = {n: "*" + pointers[n] if n in pointers else "fp32" if n == "qk_scale" else "i32"
                  for n in fn.arg_names}
-    constexprs: dict[str, Any] = {**triton_decode.kernel_config(head_dim, group), "BLOCK_SIZE": block_size,
-                                  "SPLIT": split, "DOT_FP32": False, **dict.fromkeys(unit, 1),
+    constexprs: dict[str, Any] = {**triton_decode.kernel_config(head_dim, spec["group"]),
+                                  "BLOCK_SIZE": spec["block_size"], "SPLIT": split, "DOT_FP32": False,
+                                  **dict.fromkeys(unit, 1),
                                   "PRECISION": "ieee" if dtype == "float32" else "tf32"}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    aligned = [n for n in fn.arg_names if n.endswith("_ptr")
-               or (n.startswith("stride_") and n not in unit and n != "stride_tb")]
-    return ASTSource(fn, signature, constexprs, {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-                                                 for n in aligned})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if n.endswith("_ptr") or (n.startswith("stride_") and n not in unit and n != "stride_tb")}
+    return ASTSource(fn, signature, constexprs, attrs)
 
 
-def _merge_source(head_dim: int, num_splits: int, out_dtype: str = "float32") -> ASTSource:
-    """The merge kernel: fp32 partials in, an ``out_dtype`` output (``q``'s dtype)."""
+def _merge_source(spec: dict[str, Any]) -> ASTSource:
+    """The merge kernel: fp32 partials in, an output of ``spec["dtype"]`` (``q``'s; default float32)."""
     fn, unit = triton_decode._merge_splits_kernel, {"stride_pd", "stride_od"}
-    constexprs: dict[str, Any] = {"HEAD_DIM": head_dim, "SPLITS_P": triton.next_power_of_2(num_splits),
+    head_dim, splits_p = spec["head_dim"], triton.next_power_of_2(spec["num_splits"])
+    constexprs: dict[str, Any] = {"HEAD_DIM": head_dim, "SPLITS_P": splits_p,
                                   "HEAD_DIM_P": triton_decode.kernel_config(head_dim, 1)["HEAD_DIM_P"],
                                   **dict.fromkeys(unit, 1)}
     signature = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    signature["out_ptr"] = "*" + _TRITON_TYPES[out_dtype]
+    signature["out_ptr"] = "*" + _TRITON_TYPES[spec.get("dtype", "float32")]
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n.endswith("_ptr")}
     return ASTSource(fn, signature, constexprs, attrs)
@@ -59,11 +58,7 @@ def _compile_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Compile in this (compiled-mode) process; see ``compile_for_gpu_many``."""
     results = []
     for spec in specs:
-        if spec.get("kernel", "decode") == "merge":
-            src = _merge_source(spec["head_dim"], spec["num_splits"], spec.get("dtype", "float32"))
-        else:
-            src = _decode_source(spec["dtype"], spec["head_dim"], spec["block_size"], spec["group"],
-                                 spec["split"])
+        src = (_merge_source if spec.get("kernel") == "merge" else _decode_source)(spec)
         t0 = time.perf_counter()
         compiled = triton.compile(src, target=GPUTarget("cuda", spec["arch"], 32), options={"num_warps": 4})
         results.append({**spec, "ptx": compiled.asm["ptx"], "seconds": time.perf_counter() - t0,
@@ -72,18 +67,15 @@ def _compile_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
-    """Compile several configurations in one subprocess with ``TRITON_INTERPRET=0``.
-
-    Each spec: ``arch`` (80, 90, ...) and either the decode kernel's ``dtype``, ``head_dim``,
-    ``block_size``, ``group``, ``split``, or ``kernel="merge"`` with ``head_dim``, ``num_splits`` and
-    optionally ``dtype`` (of the output). Returns the specs with ``ptx``, ``seconds``, ``shared_bytes``.
-    """
+    """Compile several configurations in one subprocess with ``TRITON_INTERPRET=0``. Each spec: ``arch`` (80,
+    90, ...) and either the decode kernel's ``dtype``, ``head_dim``, ``block_size``, ``group``, ``split``, or
+    ``kernel="merge"`` with ``head_dim``, ``num_splits`` and optionally ``dtype`` (of the output). Returns the
+    specs with ``ptx``, ``seconds``, ``shared_bytes``."""
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups
             "from pagedlib.teach import ptx\n"
             "json.dump(ptx._compile_here(json.load(sys.stdin)), sys.stdout)\n")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the kernel for a GPU target failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)
@@ -92,9 +84,8 @@ def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> l
 def compile_for_gpu(arch: int = 90, *, dtype: str = "float16", head_dim: int = 128, block_size: int = 16,
                     group: int = 4, split: bool = False) -> dict[str, Any]:
     """Compile the decode kernel for ``sm_<arch>`` without a GPU: one spec of ``compile_for_gpu_many``."""
-    spec = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group,
-            "split": split}
-    return compile_for_gpu_many([spec])[0]
+    return compile_for_gpu_many([{"arch": arch, "dtype": dtype, "head_dim": head_dim,
+                                  "block_size": block_size, "group": group, "split": split}])[0]
 
 
 def ptx_instructions(ptx: str) -> list[str]:
@@ -105,9 +96,8 @@ def ptx_instructions(ptx: str) -> list[str]:
 
 
 def ptx_excerpt(ptx: str, context: int = 6) -> str:
-    """The lines of ``ptx`` around the first global load of a K tile (``cp.async`` on sm_80 and later,
-    else ``ld.global``), found through the ``.loc`` directives that map PTX to the source line of
-    ``k = tl.load(`` in ``_kv_tile``."""
+    """The lines of ``ptx`` around the first global load of a K tile (``cp.async`` on sm_80 and later, else
+    ``ld.global``), found through the ``.loc`` directives that point at ``k = tl.load(`` in ``_kv_tile``."""
     src, first = inspect.getsourcelines(triton_decode._kv_tile.fn)
     line_no = first + next(i for i, line in enumerate(src) if line.strip().startswith("k = tl.load("))
     lines, here = ptx.splitlines(), False

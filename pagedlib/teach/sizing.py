@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedlib.checks import as_int, ceil_div
+from pagedlib.checks import as_int, ceil_div, refuse
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}  # bytes per element
 MAX_SEQ_LEN = 2**62  # the longest sequence taken (tokens): block arithmetic stays in int64
@@ -29,9 +29,8 @@ class ModelSpec:
     def __post_init__(self) -> None:  # the checks: numpy ints become ints, GQA groups must divide
         for field in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads"):
             object.__setattr__(self, field, as_int(field, getattr(self, field), minimum=1))
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
+        refuse((self.num_q_heads % self.num_kv_heads,
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"))
 
     @property
     def group_size(self) -> int:
@@ -114,10 +113,8 @@ def max_sequences(spec: ModelSpec, budget_bytes: int, seq_lens: Iterable[int], *
     prefix whose slots (``max_tokens`` each if given, else whole blocks of ``block_size``) fit."""
     budget_bytes = _check_scheme(budget_bytes, max_tokens, block_size)
     limit = budget_bytes // kv_bytes_per_token(spec, dtype_bytes)  # a prefix fits iff its slots <= limit
-    if max_tokens is not None:
-        slots = np.full_like(_check_reserved(seq_lens, max_tokens)[0], max_tokens)  # ignores each n
-    else:
-        slots = _block_slots(_check_lens(seq_lens), block_size)
+    slots = (_block_slots(_check_lens(seq_lens), block_size) if max_tokens is None
+             else np.full_like(_check_reserved(seq_lens, max_tokens)[0], max_tokens))  # ignores each n
     # int64 sums of slots capped at limit + 1 cannot wrap before they pass the limit; past 2**62, Python ints
     over = np.cumsum(np.minimum(slots, limit + 1) if limit < 2**62 else slots.astype(object)) > limit
     return int(over.argmax()) if over.any() else len(over)
@@ -149,16 +146,13 @@ def synthetic_seq_len_chunks(chunk: int, *, max_tokens: int = 4096, median: int 
 
 def format_bytes(n: int | float) -> str:
     """Binary units, three significant digits: ``format_bytes(2**29) == '512 MiB'``, ``'1.25 GiB'``."""
-    value = _check_bytes(n)
+    value = float(n) if isinstance(n, (int, float, np.number)) and not isinstance(n, bool) else math.nan
+    refuse((not math.isfinite(value), f"n must be a finite number of bytes, got {n!r}"))
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         text = f"{value:.0f}" if value.is_integer() or abs(value) >= 100 else f"{value:.3g}"
         if abs(float(text)) < 1024 or unit == "PiB":  # unit chosen after rounding: never '1024 KiB'
             return f"{text} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
-
-
-# --- argument checks: each error names the argument the caller passed ---------------------------------
 
 
 def _check_lens(seq_lens: Iterable[int] | np.ndarray) -> np.ndarray:
@@ -180,23 +174,16 @@ def _check_reserved(seq_lens: Iterable[int], max_tokens: object) -> tuple[np.nda
     return lens, max_tokens
 
 
-def _check_scheme(budget_bytes: object, max_tokens: object, block_size: object) -> int:
+def _check_scheme(budget_bytes, max_tokens, block_size) -> int:
     budget_bytes = as_int("budget_bytes", budget_bytes, minimum=0)
     if (max_tokens is None) == (block_size is None):
         raise ValueError("give exactly one of max_tokens (contiguous) or block_size (paged)")
     return budget_bytes
 
 
-def _check_stream(chunk: object, max_tokens: object, median: object, sigma: object, seed: object) -> tuple:
+def _check_stream(chunk, max_tokens, median, sigma, seed) -> tuple:
     ints = [as_int(k, v, minimum=1)
             for k, v in (("chunk", chunk), ("max_tokens", max_tokens), ("median", median))]
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
         raise ValueError(f"sigma must be a positive number, got {sigma!r}")
     return (*ints, as_int("seed", seed, minimum=0))
-
-
-def _check_bytes(n: object) -> float:
-    value = float(n) if isinstance(n, (int, float, np.number)) and not isinstance(n, bool) else math.nan
-    if not math.isfinite(value):
-        raise ValueError(f"n must be a finite number of bytes, got {n!r}")
-    return value
