@@ -1,6 +1,5 @@
-"""The serving simulation of notebook 07: ``simulate`` drives the real ``Scheduler`` through a workload over a
-real ``PagedKVCache`` (tiny fake K/V) and puts every slot of the budget, every step, into one of the vLLM
-paper's Figure 2 categories (Kwon et al., SOSP 2023)."""
+"""The serving simulation of notebook 07: ``simulate`` runs the real ``Scheduler`` on a real ``PagedKVCache``
+(tiny fake K/V) and sorts every slot, every step, into the vLLM paper's Figure 2 categories."""
 
 from __future__ import annotations
 
@@ -79,9 +78,8 @@ class SimResult:
 
     def row(self) -> dict[str, Any]:
         """The scalar results, rounded for a table or JSON."""
-        row: dict[str, Any] = {"policy": self.policy, "block_size": self.block_size,
-                               "budget_blocks": self.kv_budget_blocks,
-                               "kv_util": round(self.kv_utilization, 4)}
+        row: dict[str, Any] = dict(policy=self.policy, block_size=self.block_size,
+                                   budget_blocks=self.kv_budget_blocks, kv_util=round(self.kv_utilization, 4))
         row.update({k: round(v, 4) for k, v in self.breakdown.items()})
         row.update(mean_running=round(self.mean_running, 2),
                    saturated_running=round(self.saturated_running, 2), peak_running=self.peak_running,
@@ -162,11 +160,9 @@ def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: in
 
 def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, block_size: int = 16, *,
              record_occupancy: bool = False, progress: bool = False, **options: Any) -> SimResult:
-    """Serve ``requests`` under ``policy`` with ``kv_budget_blocks`` blocks of ``block_size`` tokens, one
-    step at a time, until every request has all its tokens. ``options``: ``max_num_seqs`` (256),
-    ``watermark`` (0.01), ``max_model_len`` (2048), ``sliding_window``, ``enable_prefix_caching`` (``paged``
-    only; requests need ``prompt_tokens``). ``record_occupancy`` keeps a picture of the pool at every step
-    (memory grows as steps x slots: small runs only); ``progress`` shows a tqdm bar."""
+    """Serve ``requests`` under ``policy``, ``kv_budget_blocks`` blocks of ``block_size`` tokens, until every
+    request has all its tokens. ``options``: ``new_scheduler``'s. ``record_occupancy`` keeps a picture of the
+    pool at every step (steps x slots of memory: small runs only); ``progress`` shows a tqdm bar."""
     requests = list(requests)
     sched = new_scheduler(requests, policy, kv_budget_blocks, block_size, **options)
     ordered = sorted(requests, key=lambda r: (r.arrival, r.req_id))
