@@ -18,9 +18,7 @@ from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.sim._checks import check_simulate
 from pagedlib.sim.workloads import fake_token_ids
 
-#: Where a slot goes: ``token`` holds a token's K/V; ``reservation``: set aside for a token still to come;
-#: ``internal``: set aside, never written; free while a request waits: ``external`` if enough slots are free
-#: in total (no hole is large enough), else ``other`` (too few, or the paged policy's watermark).
+#: Where a slot goes (the vLLM paper's Figure 2 categories, defined in notebook 07 and ``slot_breakdown``).
 CATEGORIES = ("token", "reservation", "internal", "external", "other")
 
 
@@ -99,9 +97,8 @@ def held_slots(sched: Scheduler, r: Request) -> int:
 
 
 def slot_breakdown(sched: Scheduler, blocked: bool) -> dict[str, int]:
-    """Every slot of the budget in use or stranded, by ``CATEGORIES``, after a step's writes. Free slots count
-    only while a request waits for memory (``blocked``): ``external`` if a slab of its size would fit in them
-    were they contiguous, else ``other``. A shared block (a prefix-cache hit, full) counts once."""
+    """Every slot of the budget in use or stranded, by ``CATEGORIES``, after a step's writes; free slots only
+    while a request waits (``blocked``): ``external`` if its slab fits in them. A shared block counts once."""
     out, seen, slab = dict.fromkeys(CATEGORIES, 0), set(), isinstance(sched.budget, SlabBudget)
     for r in sched.running:
         held, first, size = sched.cache.seq_lens[r.req_id], sched.window_start[r.req_id], held_slots(sched, r)
@@ -125,8 +122,7 @@ def free_slots(sched: Scheduler) -> int:
 
 def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
     """Write the plan's K/V: K = the token's position, V = its request id (1 layer, 1 head, head_dim 1), so a
-    test can read back what went where. With prefix caching the token ids are ``fake_token_ids``' and a
-    prefill starts after the tokens found (a found block keeps the V of the request that computed it)."""
+    test can read back what went where; a prefill starts after the tokens the prefix cache found."""
     cache, caching = sched.cache, sched.cache.prefix_cache is not None
     for r, n in plan.prefill:
         start = sched.window_start[r.req_id] + cache.seq_lens[r.req_id]
@@ -230,8 +226,7 @@ def _result(sched: Scheduler, series: dict, done: list[RequestResult], pictures:
     return SimResult(
         policy=sched.policy, block_size=sched.block_size, kv_budget_blocks=sched.kv_budget_blocks,
         steps=len(running), kv_utilization=breakdown["token"], breakdown=breakdown,
-        mean_running=float(running.mean()) if len(running) else 0.0,
-        peak_running=int(running.max()) if len(running) else 0,
+        mean_running=float(running.mean()) if len(running) else 0.0, peak_running=int(running.max(initial=0)),
         preemptions=sched.num_preemptions, recomputed_tokens=sched.recomputed_tokens,
         tokens_generated=sum(r.generated for r in done),
         mean_latency=float(np.mean([r.finished - r.arrival + 1 for r in done])) if done else 0.0,
