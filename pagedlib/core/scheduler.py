@@ -32,9 +32,8 @@ class StepPlan:
 
 
 class Scheduler:
-    """Continuous batching over ``cache``: requests join and leave the batch every step. Under a slab budget
-    the cache needs ``kv_budget_blocks + max_num_seqs`` blocks (a slab's tokens can straddle one block more).
-    Prefix caching needs ``token_ids(request, n)``: the request's first ``n`` ids (prompt, then output)."""
+    """Continuous batching over ``cache``. A slab budget needs ``kv_budget_blocks + max_num_seqs`` cache
+    blocks (a slab can straddle one more); prefix caching needs ``token_ids(request, n)``: its first n ids."""
 
     def __init__(self, cache: PagedKVCache, *, policy: str = "paged", max_num_seqs: int = 256,
                  watermark: float = 0.01, max_model_len: int = 2048, kv_budget_blocks: int | None = None,
