@@ -76,14 +76,13 @@ class SimResult:
 
     def row(self) -> dict[str, Any]:
         """The scalar results, rounded for a table or JSON."""
-        row: dict[str, Any] = dict(policy=self.policy, block_size=self.block_size,
-                                   budget_blocks=self.kv_budget_blocks, kv_util=round(self.kv_utilization, 4))
-        row.update({k: round(v, 4) for k, v in self.breakdown.items()})
-        row.update(mean_running=round(self.mean_running, 2),
-                   saturated_running=round(self.saturated_running, 2), peak_running=self.peak_running,
-                   preemptions=self.preemptions, recomputed=self.recomputed_tokens, steps=self.steps,
-                   latency=round(self.mean_latency, 1), generated=self.tokens_generated,
-                   prefill=self.prefill_tokens, cached=self.cached_tokens, leaked=self.leaked_blocks)
+        row: dict[str, Any] = dict(
+            policy=self.policy, block_size=self.block_size, budget_blocks=self.kv_budget_blocks,
+            kv_util=round(self.kv_utilization, 4), **{k: round(v, 4) for k, v in self.breakdown.items()},
+            mean_running=round(self.mean_running, 2), saturated_running=round(self.saturated_running, 2),
+            peak_running=self.peak_running, preemptions=self.preemptions, recomputed=self.recomputed_tokens,
+            steps=self.steps, latency=round(self.mean_latency, 1), generated=self.tokens_generated,
+            prefill=self.prefill_tokens, cached=self.cached_tokens, leaked=self.leaked_blocks)
         if self.prefix_cache_hit_rate is not None:
             row["hit_rate"] = round(self.prefix_cache_hit_rate, 4)
         return row
