@@ -173,12 +173,13 @@ def _check_options(s: Scheduler, watermark: object, window: object, token_ids: o
         raise ValueError("sliding_window needs the paged policy (a slab cannot give back its front)")
     if s.cache.prefix_cache is None:
         return window, None
-    refuse((s.policy != "paged", "prefix caching needs the 'paged' policy (a contiguous slab is never "
-                                 "shared)"),
+    refuse((s.policy != "paged",
+            "prefix caching needs the 'paged' policy (a contiguous slab is never shared)"),
            (window is not None, "sliding_window cannot be combined with prefix caching (a cached block's key "
-                                "names the block before it, which the window would free)"),
-           (not callable(token_ids), "a cache with prefix caching needs token_ids(request, n) -> the "
-                                     f"request's first n token ids, got {token_ids!r}"))
+                                "names the block before it, which the window would free)"))
+    if not callable(token_ids):
+        raise ValueError("a cache with prefix caching needs token_ids(request, n) -> the request's "
+                         f"first n token ids, got {token_ids!r}")
     return window, token_ids
 
 
