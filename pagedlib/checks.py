@@ -1,6 +1,4 @@
-"""Argument checks, behind the logic: the shared primitives ``as_int`` and ``ceil_div``, and the checks of
-``PagedLlama`` and ``Engine``. Each names the argument it refuses; none changes anything.
-"""
+"""Argument checks: the shared ``as_int``, ``ceil_div`` and ``refuse``; the model's and the engine's."""
 
 from __future__ import annotations
 
@@ -11,9 +9,6 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_MODELS", "as_int", "ceil_div", "check_engine", "check_generate", "check_hf_config",
-           "check_hf_model", "check_step", "check_weights", "token_list"]
-
 #: model_type -> the transformers class ``PagedLlama.from_hf`` loads: each proven token-equal by a test
 SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # config fields that change the computation, and the one value PagedLlama implements
@@ -23,8 +18,7 @@ MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the attention p
 
 
 def as_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a plain ``int`` (ints, numpy integers, one-element integer tensors; not ``bool``,
-    floats or strings), or ``ValueError`` naming ``name`` and what was expected."""
+    """``value`` (an int, numpy integer or one-element integer tensor, not a bool) as an ``int``."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got a bool ({value!r})")
     try:
@@ -62,9 +56,8 @@ def check_hf_config(config: Any) -> None:
              for k, v in _FIELDS.items()))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    if head_dim % 2 or heads % kv:
-        raise ValueError(f"PagedLlama needs an even head_dim and num_attention_heads a multiple of "
-                         f"num_key_value_heads, got {head_dim}, {heads}, {kv}")
+    refuse((head_dim % 2 or heads % kv, "PagedLlama needs an even head_dim and num_attention_heads a "
+                                        f"multiple of num_key_value_heads, got {head_dim}, {heads}, {kv}"))
 
 
 def check_hf_model(hf_model: Any) -> None:

@@ -1,13 +1,8 @@
 """``Engine``: greedy generation for many prompts at once through the paged cache (notebook 08).
 
-The same three pieces as nano-vllm's ``LLMEngine`` and vLLM's engine core: the **scheduler** (notebook 07,
-``policy="paged"``) plans each step (decode the running requests, admit and prefill waiting ones while the
-free blocks allow, preempt the newest when a decode needs more blocks than are free: they are recomputed
-when readmitted); the **model** (``PagedLlama``) runs the plan, one ``prefill`` call and one batched
-``decode`` call; the **engine** keeps each request's tokens, picks the next one (``argmax``) and hands
-finished requests back to the scheduler, which frees their blocks. With ``enable_prefix_caching=True``
-an admitted request attaches the cached full blocks of its tokens (notebook 06) and prefills the rest.
-"""
+nano-vllm's ``LLMEngine`` in small: the **scheduler** (notebook 07) plans each step, the **model** runs it
+(one ``prefill`` and one batched ``decode`` call), the **engine** keeps each request's tokens, picks the
+next one (``argmax``) and hands finished requests back to the scheduler, which frees their blocks."""
 
 from __future__ import annotations
 
@@ -20,21 +15,18 @@ from pagedlib.checks import as_int, check_engine, check_generate, token_list
 from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.model import PagedLlama, decode_kernel
 
-__all__ = ["Engine", "EngineStats", "StepOutput"]
-
 PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
 WATERMARK = 0.01  # share of the blocks admission keeps free for running requests to grow into (vLLM's)
 
 
 @dataclass
 class EngineStats:
-    """What the engine did since it was built (``prefill_tokens`` counts recomputed tokens again;
-    ``cached_tokens``: tokens found in the prefix cache at admission, attached instead of prefilled)."""
+    """What the engine did since it was built."""
 
     steps: int = 0
     generated_tokens: int = 0
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
+    prefill_tokens: int = 0         # recomputed tokens count again
+    cached_tokens: int = 0          # found in the prefix cache at admission, attached instead of prefilled
     decode_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0            # most blocks held at once
@@ -43,8 +35,7 @@ class EngineStats:
 
 
 class StepOutput(NamedTuple):
-    """Request ids, by what one ``Engine.step`` did with them (a request may be both prefilled and
-    finished, when it needed only one new token)."""
+    """Request ids, by what one ``Engine.step`` did with them (a request may be prefilled and finished)."""
 
     prefilled: list[int]    # admitted (or readmitted after a preemption): prompt (+ generated) run at once
     decoded: list[int]      # one token appended in the batched decode
@@ -53,20 +44,14 @@ class StepOutput(NamedTuple):
 
 
 class Engine:
-    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``.
-
-    Single-threaded, like nano-vllm's and vLLM's engine loops: a call from a second thread while one is
-    inside gets a ``RuntimeError``. A ``step()`` that raises midway (a ``KeyboardInterrupt`` between the
-    scheduler's plan and the forward pass, say) is not rolled back: every later call gets a
-    ``RuntimeError`` until ``reset()`` (``generate`` resets by itself before it re-raises).
+    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``. Single-threaded;
+    a ``step()`` that raised midway is not rolled back: later calls raise ``RuntimeError`` until ``reset()``.
 
     Args:
         model: the decoder (its dtype and device are the cache's).
         num_blocks, block_size: the KV pool, ``engine.cache``.
-        attention: decode attention, ``"torch"`` (``paged_attention``) or ``"triton"`` (the fused kernel:
-            ``block_size`` a power of two up to 128, ``head_dim`` at most 256).
-        enable_prefix_caching: attach the full blocks of a prompt's leading tokens that an earlier request
-            computed instead of prefilling them again (notebook 06; ``engine.cache.prefix_cache_stats()``).
+        attention: ``"torch"`` or ``"triton"`` (``block_size`` a power of two up to 128, ``head_dim`` <= 256).
+        enable_prefix_caching: attach a prompt's cached full blocks instead of prefilling them (notebook 06).
         max_num_seqs: most requests in the running batch.
     """
 
@@ -120,9 +105,8 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
-        """One scheduler step: a batched decode for the running requests, one prefill for those just
-        admitted (or readmitted after a preemption: prompt and generated tokens are recomputed); requests
-        that have all their tokens are finished and their blocks freed."""
+        """One scheduler step: a batched decode for the running requests, one prefill for those admitted
+        (or readmitted: prompt and generated tokens recomputed); finished requests' blocks are freed."""
         self._check_idle()
         self._in_step = True                                        # until the results are in
         plan = self.scheduler.step()
@@ -170,12 +154,7 @@ class Engine:
                  progress: bool | None = None) -> list[list[int]]:
         """Greedy continuation of every prompt: ``max_new_tokens`` new tokens each (no end-of-sequence
         stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
-
-        Every prompt is checked before any work: ``ValueError`` for an empty prompt, a token id outside the
-        vocabulary, ``max_new_tokens < 1``, or a request the pool could never hold: its prompt plus
-        ``max_new_tokens - 1`` tokens must fit in the blocks less the scheduler's free-block watermark
-        (1% of them, rounded down: vLLM's default).
-        """
+        Every prompt is checked first: ``ValueError`` for one the pool (less the 1% watermark) cannot hold."""
         self._check_idle()
         max_new_tokens = check_generate(prompts, max_new_tokens, pending=self.scheduler.has_unfinished)
         requests = [self._request(f"prompts[{i}]", p, max_new_tokens, i) for i, p in enumerate(prompts)]
@@ -211,8 +190,7 @@ class Engine:
         registered by an interrupted prefill may hold placeholder K/V, and must never be found."""
         for seq_id in list(self.cache.seq_lens):
             self.cache.free_sequence(seq_id)
-        if self.cache.prefix_cache is not None:
-            c = self.cache
+        if (c := self.cache).prefix_cache is not None:
             self.cache = self.model.new_cache(c.num_blocks, c.block_size, enable_prefix_caching=True)
         self.scheduler = self._new_scheduler()
         self.tokens.clear()

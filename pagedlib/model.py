@@ -1,15 +1,8 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
-Llama's architecture with Hugging Face's ``LlamaForCausalLM`` parameter names. ``from_hf`` loads only what
-computes exactly this (``checks.SUPPORTED_MODELS``: Llama, and Mistral with no sliding window, each proven
-token-equal to ``transformers`` by a test) and refuses anything else with a ``ValueError`` naming it.
-
-A forward pass is a *step*, some new tokens for some sequences, run as vLLM's model runner does: first
-**reserve** a slot ``(block, offset)`` for every new token (vLLM's ``slot_mapping``: the cache appends
-placeholder K/V, which pops the blocks); then, per layer, project q, k, v, rotate q and k, **write** k and
-v at those slots (vLLM's ``reshape_and_cache``) and **attend** through the block table. Reserving comes
-first because layer ``l``'s K/V exist only after layer ``l - 1`` ran, while the cache's appends take every
-layer at once.
+Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
+(``checks.SUPPORTED_MODELS``). A forward pass first **reserves** a slot for every new token (the cache's
+appends take every layer at once), then per layer **writes** K/V there and **attends** through the table.
 """
 
 from __future__ import annotations
@@ -25,8 +18,6 @@ from torch import nn
 from pagedlib import checks
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.kernels.attention import paged_attention, paged_prefill_attention
-
-__all__ = ["LlamaShape", "PagedLlama", "Step", "decode_kernel"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +40,12 @@ class LlamaShape:
         """Read a transformers config; ``ValueError`` naming a field this model does not implement."""
         checks.check_hf_config(config)
         rope = getattr(config, "rope_parameters", None) or {}
+        heads = config.num_attention_heads
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            num_heads=heads, num_kv_heads=config.num_key_value_heads or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             rms_norm_eps=float(config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
@@ -62,19 +53,17 @@ class LlamaShape:
 
 @dataclass
 class Step:
-    """The ``T`` new tokens of one forward pass over ``B`` sequences (``spans``: each one's ``(start, end)``
-    in the flat int64 ``[T]`` arrays), their slots (``blocks``, ``offsets``), the int32 ``block_tables``
-    ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` after the step, and the decode kernel (``None``: prefill)."""
+    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and the decode kernel."""
 
     seq_ids: list[Hashable]
-    spans: list[tuple[int, int]]
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    blocks: torch.Tensor
-    offsets: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    decode_attention: Callable[..., torch.Tensor] | None
+    spans: list[tuple[int, int]]      # each sequence's (start, end) in the flat [T] tensors
+    tokens: torch.Tensor              # int64 [T]
+    positions: torch.Tensor           # int64 [T]
+    blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
+    offsets: torch.Tensor             # int64 [T]
+    block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
+    seq_lens: torch.Tensor            # int32 [B], after the step
+    decode_attention: Callable[..., torch.Tensor] | None   # None: prefill
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +98,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def decode_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor]:
-    """The batched decode attention: ``paged_attention`` (``"torch"``) or the fused Triton kernel
-    (``"triton"``; triton is an optional dependency, Linux only, so it is imported only when asked)."""
+    """``paged_attention`` (``"torch"``) or the fused Triton kernel (``"triton"``: imported when asked)."""
     checks.check_attention(attention)
     if attention == "torch":
         return paged_attention
@@ -183,9 +171,8 @@ class DecoderLayer(nn.Module):
 
 
 class PagedLlama(nn.Module):
-    """A Llama decoder that keeps its K/V in a ``PagedKVCache``. ``prefill`` appends whole prompts (or
-    any run of new tokens) to sequences, ``decode`` one token to each in one batched step; both return
-    the logits after each sequence's last token (the caller picks the next token)."""
+    """A Llama decoder that keeps its K/V in a ``PagedKVCache``: ``prefill`` appends runs of tokens,
+    ``decode`` one token per sequence; both return the logits after each sequence's last token."""
 
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
@@ -200,8 +187,7 @@ class PagedLlama(nn.Module):
     @classmethod
     def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None) -> PagedLlama:
-        """Copy the weights of a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (no sliding
-        window), by default in its dtype (fp32, fp16, bf16) and device; else ``ValueError`` naming why."""
+        """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
         checks.check_hf_model(hf_model)
         first = next(hf_model.parameters())
         return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
@@ -239,12 +225,9 @@ class PagedLlama(nn.Module):
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                 *, attention: str = "torch") -> torch.Tensor:
-        """Append ``prompts[i]`` (>= 1 token) to live sequence ``seq_ids[i]``, attending causally over all
-        it holds (after earlier or prefix-cached tokens too; always ``paged_prefill_attention``).
-
-        Returns ``[batch, vocab_size]`` logits after each prompt's last token. ``OutOfBlocksError`` (nothing
-        changed) when the pool cannot hold every prompt; should the forward pass fail, the sequences keep
-        their reserved slots: free them."""
+        """Append ``prompts[i]`` (>= 1 token) to live sequence ``seq_ids[i]``, attending causally over all it
+        holds: ``[batch, vocab_size]`` logits after each prompt's last token. ``OutOfBlocksError`` (nothing
+        changed) if the pool cannot hold every prompt; if the forward pass fails, free the sequences."""
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
         _check_room(cache, seq_ids, prompts)
         starts = [cache.seq_lens[s] for s in seq_ids]
@@ -255,11 +238,8 @@ class PagedLlama(nn.Module):
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], tokens: Sequence[int],
                *, attention: str = "torch") -> torch.Tensor:
-        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]`` in one batched step, attending with
-        ``paged_attention`` (``attention="torch"``) or the fused kernel (``"triton"``).
-
-        Returns ``[batch, vocab_size]`` logits after each new token. ``OutOfBlocksError`` (nothing changed)
-        when a sequence needs a block and none is free; should the forward pass fail, free the sequences."""
+        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]``, one batched step: ``[batch, vocab]``
+        logits. ``OutOfBlocksError`` (nothing changed) if a block is needed and none is free."""
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, tokens, attention, decode=True)
         attend = decode_kernel(attention, self.shape.head_dim)      # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
@@ -303,8 +283,7 @@ class PagedLlama(nn.Module):
 
 def _check_room(cache: PagedKVCache, seq_ids: list[Hashable], prompts: list[list[int]]) -> None:
     """``OutOfBlocksError`` before any append unless the free blocks hold every prompt."""
-    bs = cache.block_size
-    needed = sum(checks.ceil_div(cache.seq_lens[s] + len(p), bs) - len(cache.tables[s])
+    needed = sum(checks.ceil_div(cache.seq_lens[s] + len(p), cache.block_size) - len(cache.tables[s])
                  for s, p in zip(seq_ids, prompts))
     if needed > cache.num_free_blocks:
         raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")

@@ -1,8 +1,6 @@
-"""KV budgets of the scheduler (notebook 07): what a request may hold and when it is admitted. ``PagedBudget``
-takes blocks on demand, as vLLM does; ``SlabBudget`` sets one contiguous slab aside per request, placed
-first-fit, as the Orca baselines of the vLLM paper (§6.1) do: ``reserve-max``, ``reserve-pow2``,
-``reserve-oracle``. Each answers the scheduler's questions: ``blocks_alone`` (can the request ever run),
-``decode_blocks`` (what a decode step takes), ``reserve`` (admit it now?) and ``release``."""
+"""KV budgets of the scheduler (notebook 07): ``PagedBudget`` takes blocks on demand (vLLM), ``SlabBudget``
+sets a contiguous slab aside per request, first-fit (the vLLM paper's Orca baselines, §6.1). Each answers
+``blocks_alone`` (can it ever run), ``decode_blocks`` (what a decode takes), ``reserve`` (admit it now?)."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ class PagedBudget:
         return sum(self.cache.seq_lens[r.req_id] % self.block_size == 0 for r in requests)
 
     def reserve(self, request: Request, tokens: int, found: list[int], pending: int) -> int | None:
-        """Blocks a prefill storing ``tokens`` takes beside the cached blocks ``found``, or ``None`` if fewer
-        than ``watermark_blocks`` would stay free after ``pending``. A found block nobody holds is among the
-        free ones, and leaves them when attached (as vLLM's ``allocate_slots`` counts)."""
+        """Blocks a prefill storing ``tokens`` takes beside the cached ``found``, or ``None`` if fewer than
+        ``watermark_blocks`` stay free after ``pending`` (a found block nobody holds leaves the free ones)."""
         revived = sum(self.cache.ref_count(b) == 0 for b in found)
         new = ceil_div(tokens, self.block_size) - len(found)
         return new if self.cache.num_free_blocks - pending - new - revived >= self.watermark_blocks else None
@@ -109,9 +106,6 @@ class SlabBudget(FirstFit):
 
     def release(self, request: Request) -> None:
         self.free(request.req_id)
-
-
-# argument checks -----------------------------------------------------------------------------------------
 
 
 def _check_slab(ff: FirstFit, key: Hashable, size: object) -> int:

@@ -1,5 +1,4 @@
-"""A request to serve (notebooks 07 and 08), like nano-vllm's ``Sequence``: what the scheduler and the
-budgets know of it."""
+"""A request to serve (notebooks 07 and 08), like nano-vllm's ``Sequence``."""
 
 from __future__ import annotations
 
@@ -25,9 +24,6 @@ class Request:
     @property
     def max_kv_len(self) -> int:
         return self.prompt_len + self.output_len - 1
-
-
-# argument checks -----------------------------------------------------------------------------------------
 
 
 def _check_request(r: Request) -> None:

@@ -1,6 +1,5 @@
-"""The step scheduler (notebooks 07, 08): requests and continuous batching over a ``PagedKVCache`` under a
-KV budget (``core.budgets``), shaped like nano-vllm's ``Scheduler.schedule``. One thread, like the cache. A
-``step()`` that raises leaves no request half-moved: the queues, the counters and the cache agree."""
+"""The step scheduler (notebooks 07, 08): continuous batching over a ``PagedKVCache`` under a KV budget, like
+nano-vllm's ``Scheduler.schedule``. One thread; a ``step()`` that raises leaves no request half-moved."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, refuse
 from pagedlib.core.budgets import PagedBudget, SlabBudget, check_policy
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
@@ -19,9 +18,8 @@ from pagedlib.core.window import release_outside_window
 
 @dataclass
 class StepPlan:
-    """The runner writes ``n`` K/V per ``(request, n)`` in ``prefill`` and one per ``decode`` request; each
-    samples a token. ``preempted``: lost their K/V, now first in the queue; ``blocked``: a request waits for
-    memory."""
+    """``n`` K/V to write per ``(request, n)`` in ``prefill``, one per ``decode`` request, each samples a
+    token; ``preempted``: lost their K/V, now first in the queue; ``blocked``: a request waits for memory."""
 
     prefill: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
@@ -34,9 +32,8 @@ class StepPlan:
 
 
 class Scheduler:
-    """Continuous batching over ``cache``: requests join and leave the batch every step. Under a slab budget
-    the cache needs ``kv_budget_blocks + max_num_seqs`` blocks (a slab's tokens can straddle one block more).
-    Prefix caching needs ``token_ids(request, n)``: the request's first ``n`` ids (prompt, then output)."""
+    """Continuous batching over ``cache``. A slab budget needs ``kv_budget_blocks + max_num_seqs`` cache
+    blocks (a slab can straddle one more); prefix caching needs ``token_ids(request, n)``: its first n ids."""
 
     def __init__(self, cache: PagedKVCache, *, policy: str = "paged", max_num_seqs: int = 256,
                  watermark: float = 0.01, max_model_len: int = 2048, kv_budget_blocks: int | None = None,
@@ -59,7 +56,7 @@ class Scheduler:
         """``ValueError`` unless ``request`` is new, fits the model and, alone, the budget."""
         _check_request_fits(self, request)
 
-    def add(self, request: Request) -> None:  # checked by check()
+    def add(self, request: Request) -> None:
         self.check(request)
         self.waiting.append(request)
         self.generated[request.req_id] = 0
@@ -148,9 +145,6 @@ class Scheduler:
         return request, tokens - start - cached
 
 
-# argument checks -----------------------------------------------------------------------------------------
-
-
 def _check_scheduler(cache: object, policy: object, max_num_seqs: object, max_model_len: object,
                      kv_budget_blocks: object) -> tuple[str, int, int, int]:
     policy = check_policy(policy)
@@ -179,28 +173,25 @@ def _check_options(s: Scheduler, watermark: object, window: object, token_ids: o
         raise ValueError("sliding_window needs the paged policy (a slab cannot give back its front)")
     if s.cache.prefix_cache is None:
         return window, None
-    if s.policy != "paged":
-        raise ValueError("prefix caching needs the 'paged' policy (a contiguous slab is never shared)")
-    if window is not None:
-        raise ValueError("sliding_window cannot be combined with prefix caching (a cached block's key "
-                         "names the block before it, which the window would free)")
+    refuse((s.policy != "paged",
+            "prefix caching needs the 'paged' policy (a contiguous slab is never shared)"),
+           (window is not None, "sliding_window cannot be combined with prefix caching (a cached block's key "
+                                "names the block before it, which the window would free)"))
     if not callable(token_ids):
         raise ValueError("a cache with prefix caching needs token_ids(request, n) -> the request's "
                          f"first n token ids, got {token_ids!r}")
     return window, token_ids
 
 
-def _check_request_fits(s: Scheduler, request: object) -> None:
-    if not isinstance(request, Request):
-        raise ValueError(f"request must be a Request, got {type(request).__name__}")
-    if request.req_id in s.generated:
-        raise ValueError(f"request id {request.req_id} is already queued or running")
-    if request.prompt_len + request.output_len > s.max_model_len:
-        raise ValueError(f"request {request.req_id}: prompt_len + output_len = {request.prompt_len} + "
-                         f"{request.output_len} > max_model_len = {s.max_model_len}")
-    if (need := s.budget.blocks_alone(request)) > s.kv_budget_blocks:
-        raise ValueError(f"request {request.req_id} needs {need} blocks, more than the budget of "
-                         f"{s.kv_budget_blocks}: it could never run")
+def _check_request_fits(s: Scheduler, r: object) -> None:
+    if not isinstance(r, Request):
+        raise ValueError(f"request must be a Request, got {type(r).__name__}")
+    need = s.budget.blocks_alone(r)
+    refuse((r.req_id in s.generated, f"request id {r.req_id} is already queued or running"),
+           (r.prompt_len + r.output_len > s.max_model_len, f"request {r.req_id}: prompt_len + output_len = "
+            f"{r.prompt_len} + {r.output_len} > max_model_len = {s.max_model_len}"),
+           (need > s.kv_budget_blocks, f"request {r.req_id} needs {need} blocks, more than the budget of "
+                                       f"{s.kv_budget_blocks}: it could never run"))
 
 
 def _check_finish_called(s: Scheduler) -> None:

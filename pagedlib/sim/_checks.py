@@ -24,9 +24,8 @@ def check_simulate(requests: Iterable[Request], policy: object, kv_budget_blocks
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     requests = list(requests)
-    for r in requests:
-        if not isinstance(r, Request):
-            raise ValueError(f"requests must hold Request objects, got {type(r).__name__}")
+    if bad := [type(r).__name__ for r in requests if not isinstance(r, Request)]:
+        raise ValueError(f"requests must hold Request objects, got {bad[0]}")
     if len({r.req_id for r in requests}) != len(requests):
         raise ValueError("requests must have distinct req_id values")
     budget = as_int("kv_budget_blocks", kv_budget_blocks, minimum=1)

@@ -1,6 +1,5 @@
-"""The serving simulation of notebook 07: ``simulate`` drives the real ``Scheduler`` through a workload over a
-real ``PagedKVCache`` (tiny fake K/V) and puts every slot of the budget, every step, into one of the vLLM
-paper's Figure 2 categories (Kwon et al., SOSP 2023)."""
+"""The serving simulation of notebook 07: ``simulate`` runs the real ``Scheduler`` on a real ``PagedKVCache``
+(tiny fake K/V) and sorts every slot, every step, into the vLLM paper's Figure 2 categories."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.sim._checks import check_simulate
 from pagedlib.sim.workloads import fake_token_ids
 
-#: Where a slot goes: ``token`` holds a token's K/V; ``reservation``: set aside for a token still to come;
-#: ``internal``: set aside, never written; free while a request waits: ``external`` if enough slots are free
-#: in total (no hole is large enough), else ``other`` (too few, or the paged policy's watermark).
+#: Where a slot goes (the vLLM paper's Figure 2 categories, defined in notebook 07 and ``slot_breakdown``).
 CATEGORIES = ("token", "reservation", "internal", "external", "other")
 
 
@@ -79,15 +76,13 @@ class SimResult:
 
     def row(self) -> dict[str, Any]:
         """The scalar results, rounded for a table or JSON."""
-        row: dict[str, Any] = {"policy": self.policy, "block_size": self.block_size,
-                               "budget_blocks": self.kv_budget_blocks,
-                               "kv_util": round(self.kv_utilization, 4)}
-        row.update({k: round(v, 4) for k, v in self.breakdown.items()})
-        row.update(mean_running=round(self.mean_running, 2),
-                   saturated_running=round(self.saturated_running, 2), peak_running=self.peak_running,
-                   preemptions=self.preemptions, recomputed=self.recomputed_tokens, steps=self.steps,
-                   latency=round(self.mean_latency, 1), generated=self.tokens_generated,
-                   prefill=self.prefill_tokens, cached=self.cached_tokens, leaked=self.leaked_blocks)
+        row: dict[str, Any] = dict(
+            policy=self.policy, block_size=self.block_size, budget_blocks=self.kv_budget_blocks,
+            kv_util=round(self.kv_utilization, 4), **{k: round(v, 4) for k, v in self.breakdown.items()},
+            mean_running=round(self.mean_running, 2), saturated_running=round(self.saturated_running, 2),
+            peak_running=self.peak_running, preemptions=self.preemptions, recomputed=self.recomputed_tokens,
+            steps=self.steps, latency=round(self.mean_latency, 1), generated=self.tokens_generated,
+            prefill=self.prefill_tokens, cached=self.cached_tokens, leaked=self.leaked_blocks)
         if self.prefix_cache_hit_rate is not None:
             row["hit_rate"] = round(self.prefix_cache_hit_rate, 4)
         return row
@@ -101,9 +96,8 @@ def held_slots(sched: Scheduler, r: Request) -> int:
 
 
 def slot_breakdown(sched: Scheduler, blocked: bool) -> dict[str, int]:
-    """Every slot of the budget in use or stranded, by ``CATEGORIES``, after a step's writes. Free slots count
-    only while a request waits for memory (``blocked``): ``external`` if a slab of its size would fit in them
-    were they contiguous, else ``other``. A shared block (a prefix-cache hit, full) counts once."""
+    """Every slot of the budget in use or stranded, by ``CATEGORIES``, after a step's writes; free slots only
+    while a request waits (``blocked``): ``external`` if its slab fits in them. A shared block counts once."""
     out, seen, slab = dict.fromkeys(CATEGORIES, 0), set(), isinstance(sched.budget, SlabBudget)
     for r in sched.running:
         held, first, size = sched.cache.seq_lens[r.req_id], sched.window_start[r.req_id], held_slots(sched, r)
@@ -127,8 +121,7 @@ def free_slots(sched: Scheduler) -> int:
 
 def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
     """Write the plan's K/V: K = the token's position, V = its request id (1 layer, 1 head, head_dim 1), so a
-    test can read back what went where. With prefix caching the token ids are ``fake_token_ids``' and a
-    prefill starts after the tokens found (a found block keeps the V of the request that computed it)."""
+    test can read back what went where; a prefill starts after the tokens the prefix cache found."""
     cache, caching = sched.cache, sched.cache.prefix_cache is not None
     for r, n in plan.prefill:
         start = sched.window_start[r.req_id] + cache.seq_lens[r.req_id]
@@ -162,11 +155,9 @@ def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: in
 
 def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, block_size: int = 16, *,
              record_occupancy: bool = False, progress: bool = False, **options: Any) -> SimResult:
-    """Serve ``requests`` under ``policy`` with ``kv_budget_blocks`` blocks of ``block_size`` tokens, one
-    step at a time, until every request has all its tokens. ``options``: ``max_num_seqs`` (256),
-    ``watermark`` (0.01), ``max_model_len`` (2048), ``sliding_window``, ``enable_prefix_caching`` (``paged``
-    only; requests need ``prompt_tokens``). ``record_occupancy`` keeps a picture of the pool at every step
-    (memory grows as steps x slots: small runs only); ``progress`` shows a tqdm bar."""
+    """Serve ``requests`` under ``policy``, ``kv_budget_blocks`` blocks of ``block_size`` tokens, until every
+    request has all its tokens. ``options``: ``new_scheduler``'s. ``record_occupancy`` keeps a picture of the
+    pool at every step (steps x slots of memory: small runs only); ``progress`` shows a tqdm bar."""
     requests = list(requests)
     sched = new_scheduler(requests, policy, kv_budget_blocks, block_size, **options)
     ordered = sorted(requests, key=lambda r: (r.arrival, r.req_id))
@@ -234,8 +225,7 @@ def _result(sched: Scheduler, series: dict, done: list[RequestResult], pictures:
     return SimResult(
         policy=sched.policy, block_size=sched.block_size, kv_budget_blocks=sched.kv_budget_blocks,
         steps=len(running), kv_utilization=breakdown["token"], breakdown=breakdown,
-        mean_running=float(running.mean()) if len(running) else 0.0,
-        peak_running=int(running.max()) if len(running) else 0,
+        mean_running=float(running.mean()) if len(running) else 0.0, peak_running=int(running.max(initial=0)),
         preemptions=sched.num_preemptions, recomputed_tokens=sched.recomputed_tokens,
         tokens_generated=sum(r.generated for r in done),
         mean_latency=float(np.mean([r.finished - r.arrival + 1 for r in done])) if done else 0.0,

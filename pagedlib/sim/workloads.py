@@ -13,8 +13,7 @@ from pagedlib.sim._checks import check_arrivals, check_length_model, check_share
 
 @dataclass(frozen=True)
 class LengthModel:
-    """Log-normal prompt and output lengths (tokens): ``*_mean`` is the mean before rounding and clipping
-    to the model's context, ``*_sigma`` the spread of the logarithm."""
+    """Log-normal lengths in tokens: ``*_mean`` before rounding and clipping, ``*_sigma`` of the log."""
 
     prompt_mean: float
     prompt_sigma: float
@@ -25,10 +24,9 @@ class LengthModel:
         check_length_model(self)
 
 
-# The paper's datasets (its Figure 11): ShareGPT prompts and outputs average 161.31 and 337.99 tokens,
-# Alpaca's 19.31 and 58.45. Log-normal: positive, right-skewed, long-tailed, the shape of its histograms.
-# The sigmas are our choice (the paper gives means only); ShareGPT's pre-clipping means are set so that,
-# once prompt + output is clipped to 2,048 tokens, the means come out at the paper's (within sampling noise).
+# The paper's Figure 11: ShareGPT prompts and outputs average 161.31 and 337.99 tokens, Alpaca's 19.31 and
+# 58.45. The sigmas are our choice (the paper gives means only); ShareGPT's means before clipping are set so
+# that, once prompt + output is clipped to 2,048 tokens, they come out at the paper's.
 SHAREGPT = LengthModel(prompt_mean=162, prompt_sigma=1.0, output_mean=353, output_sigma=1.0)
 ALPACA = LengthModel(prompt_mean=19.31, prompt_sigma=0.6, output_mean=58.45, output_sigma=0.8)
 
@@ -68,9 +66,8 @@ def alpaca_like(num_requests: int, seed: int = 0, *, rate: float = 1.0,
 def shared_prompt_like(num_requests: int, seed: int = 0, *, system_len: int = 341,
                        num_system_prompts: int = 2, rate: float = 1.0,
                        vocab_size: int = 32000) -> list[Request]:
-    """Alpaca-like user turns, each behind one of ``num_system_prompts`` system prompts of ``system_len``
-    tokens (the workload prefix caching is for; 341 is the paper's 5-shot translation prefix, §6.4).
-    Requests carry their token ids: the system prompt's, then random ones for the user turn."""
+    """Alpaca-like user turns behind one of ``num_system_prompts`` random system prompts of ``system_len``
+    tokens (341: the paper's 5-shot translation prefix, §6.4); requests carry their token ids."""
     system_len, k, vocab_size = check_shared(num_requests, system_len, num_system_prompts, vocab_size,
                                              OUTPUT_TOKEN_BASE)
     base = alpaca_like(num_requests, seed, rate=rate, max_model_len=2048 - system_len)
@@ -89,9 +86,8 @@ OUTPUT_TOKEN_BASE = 1 << 40
 
 
 def fake_token_ids(request: Request, stop: int, start: int = 0) -> list[int]:
-    """Token ids of positions ``start .. stop-1`` of a simulated request: its prompt's
-    (``prompt_tokens``), then made-up ids for its outputs, distinct per request and position and the same
-    on every call, so a preempted request finds its own blocks again when it is readmitted."""
+    """Token ids of positions ``start .. stop-1`` of a simulated request: its prompt's, then made-up output
+    ids, distinct and the same on every call (a readmitted request finds its own blocks again)."""
     if request.prompt_tokens is None:
         raise ValueError(f"request {request.req_id} has no prompt_tokens (prefix caching needs them)")
     p, base = request.prompt_len, OUTPUT_TOKEN_BASE * (request.req_id + 1)

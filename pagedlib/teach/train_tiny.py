@@ -1,8 +1,7 @@
-"""A tiny character-level Llama trained on Python's own documentation (``pydoc_data.topics``, shipped with
-the standard library), so notebook 08 shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny``
-(seeded, one thread; 418 s on a shared 2-core CPU) writes ``pagedlib/data/tiny_char_llama/``: the weights,
-``config.json``, ``vocab.json`` and ``training.json`` (the run). Tests and notebooks only load them.
-"""
+"""A tiny character-level Llama trained on Python's own documentation (``pydoc_data.topics``), so notebook 08
+shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny`` (seeded, one thread; 418 s on a
+shared 2-core CPU) writes the weights, ``config.json``, ``vocab.json`` and ``training.json`` (the run) to
+``pagedlib/data/tiny_char_llama/``; tests and notebooks only load them."""
 
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ import torch
 
 from pagedlib.checks import token_list
 from pagedlib.model import PagedLlama
-
-__all__ = ["CharTokenizer", "TINY_DIR", "TrainConfig", "corpus", "load_tiny", "load_tiny_hf", "train"]
 
 TINY_DIR = Path(__file__).parent.parent / "data" / "tiny_char_llama"
 COMMAND = "nice -n 10 python -m pagedlib.teach.train_tiny"
@@ -137,8 +134,7 @@ def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any]
     """Write the weights, ``config.json``, ``vocab.json`` and ``training.json`` (the run) into ``out``."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
     model.config.to_json_file(str(out / "config.json"))
     (out / "vocab.json").write_text(json.dumps({"chars": tok.chars}) + "\n")
