@@ -109,7 +109,8 @@ def live_ids(cache, seq_ids: Iterable[Hashable] | torch.Tensor, distinct: bool =
         raise ValueError(f"seq_ids must be an ordered sequence of ids (list, tuple, 1-d tensor), "
                          f"got {type(seq_ids).__name__}")
     ids = seq_ids.tolist() if isinstance(seq_ids, torch.Tensor) else list(seq_ids)
-    for s in ids:
+    lens = cache.manager.seq_lens
+    for s in [s for s in ids if s not in lens][:1]:
         seq(cache, s)
     if distinct and len(set(ids)) != len(ids):
         dup = next(s for i, s in enumerate(ids) if s in ids[:i])
@@ -122,7 +123,7 @@ def kv(cache, name: str, t: object, shape: tuple, dims: str) -> None:
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
         raise ValueError(f"{name} must be a dense torch.Tensor, got "
                          f"{f'layout {t.layout}' if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.dim() != len(shape) or any(d not in (None, g) for d, g in zip(shape, t.shape)):
+    if t.dim() != len(shape) or [g if d is None else d for d, g in zip(shape, t.shape)] != list(t.shape):
         want = ", ".join("n" if d is None else str(d) for d in shape)
         raise ValueError(f"{name} must have shape {dims} = [{want}], got {list(t.shape)}")
     if t.dtype != cache.dtype or t.device != cache.pool.device:

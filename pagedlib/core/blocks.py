@@ -94,7 +94,8 @@ class BlockManager:
         for s, n in zip(seq_ids, counts):
             last = self.tables[s][-1] if n and self.seq_lens[s] % self.block_size else -1
             plan.append(last >= 0 and self.ref_counts[last] - copied.get(last, 0) > 1)
-            copied[last] = copied.get(last, 0) + plan[-1]
+            if plan[-1]:
+                copied[last] = copied.get(last, 0) + 1
         return plan
 
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
@@ -167,7 +168,10 @@ class BlockManager:
                 self.release([table.pop()])
                 self.cow_copies += 1
             table += new
-            slots.append([table[p // bs] * bs + p % bs for p in range(start, start + n)])
+            if n == 1:  # a decode step: the token lands in the last block
+                slots.append([table[-1] * bs + start % bs])
+            else:
+                slots.append([table[p // bs] * bs + p % bs for p in range(start, start + n)])
             self.seq_lens[s] = start + n
             if pc is not None:
                 self.token_ids[s] += token_ids[t:t + n]  # type: ignore[index]
@@ -186,13 +190,11 @@ class BlockManager:
             self.seq_lens[s] = length
             if pc is not None and length % self.block_size:
                 pc.forget(last)  # partly filled again
-        for b in reversed(taken):
-            if pc is not None:
-                pc.forget(b)
-            self.ref_counts[b] = 0
-            self.free.append(b)
-        for b, count in refs.items():
-            self.ref_counts[b] = count
+        for b in taken if pc is not None else ():
+            pc.forget(b)  # type: ignore[union-attr]  # registered just now, or evicted (gone already)
+        self.release(taken)  # back on the stack, taken[0] on top
+        for b, count in refs.items():  # the copied blocks get their holders back
+            self.share([b] * (count - self.ref_counts[b]))
 
     def slots(self, seq_id: Hashable) -> list[int]:
         """Flat slot ids of every token of ``seq_id``, in order."""

@@ -123,8 +123,7 @@ class PagedKVCache:
         flat: list[int] = []
 
         def write(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
-            for t in slots:
-                flat.extend(t)
+            flat.extend(slots[0] if len(slots) == 1 else [x for t in slots for x in t])
             self.pool.copy_blocks(copies)
             self.pool.write(flat, k, v)
 
