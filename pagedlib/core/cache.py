@@ -52,16 +52,11 @@ class PagedKVCache:
         self.dtype: torch.dtype = dtype
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching)
         self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill)
+        m = self.manager  # the same objects, changed in place by the manager and the pool only
+        self.free, self.tables, self.seq_lens, self.ref_counts = m.free, m.tables, m.seq_lens, m.ref_counts
+        self.token_ids, self.prefix_cache = m.token_ids, m.prefix_cache
+        self.k, self.v, self.device = self.pool.k, self.pool.v, self.pool.device
 
-    k = property(lambda self: self.pool.k)
-    v = property(lambda self: self.pool.v)
-    device = property(lambda self: self.pool.device)
-    free = property(lambda self: self.manager.free)
-    tables = property(lambda self: self.manager.tables)
-    seq_lens = property(lambda self: self.manager.seq_lens)
-    ref_counts = property(lambda self: self.manager.ref_counts)
-    token_ids = property(lambda self: self.manager.token_ids)
-    prefix_cache = property(lambda self: self.manager.prefix_cache)
     cow_copies = property(lambda self: self.manager.cow_copies)
     num_free_blocks = property(lambda self: self.manager.num_free_blocks)  # cached blocks nobody holds count
     num_used_blocks = property(lambda self: self.num_blocks - self.manager.num_free_blocks)
@@ -71,8 +66,6 @@ class PagedKVCache:
     # token slots used / allocated (1.0 when none is): 1 - utilization is the internal fragmentation
     utilization = property(lambda self: self.num_tokens / self.num_allocated_slots
                            if self.num_allocated_slots else 1.0)
-
-    # --- write side ----------------------------------------------------------------------------------
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""
@@ -140,8 +133,6 @@ class PagedKVCache:
         n = checks.leading_blocks(self, seq_id, n)
         return self.manager.release_leading_blocks(seq_id, n)
 
-    # --- read side -----------------------------------------------------------------------------------
-
     def slot(self, seq_id: Hashable, pos: int) -> Slot:
         """``Slot(block, offset)`` of token ``pos`` (``0 <= pos < seq_len``)."""
         checks.seq(self, seq_id)
@@ -188,8 +179,6 @@ class PagedKVCache:
         checks.seq(self, seq_id)
         allocated = len(self.manager.tables[seq_id]) * self.block_size
         return self.manager.seq_lens[seq_id] / allocated if allocated else 1.0
-
-    # --- checks and display --------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """``BlockManager.check_invariants``: ``InvariantError`` naming the first broken invariant."""
