@@ -584,7 +584,7 @@ def test_the_docstrings_say_the_cache_is_single_threaded():
     import pagedlib.core.blocks
     import pagedlib.core.cache
 
-    for doc in (pagedlib.core.cache.__doc__, pagedlib.core.blocks.__doc__):
+    for doc in (" ".join(m.__doc__.split()) for m in (pagedlib.core.cache, pagedlib.core.blocks)):
         assert "Single-threaded" in doc or "One thread at a time" in doc
         assert "serialises the calls" in doc
 

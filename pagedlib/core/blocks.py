@@ -3,8 +3,9 @@
 Like nano-vllm's ``BlockManager`` and vLLM's ``BlockPool``: a free stack (a list; its top, handed out next,
 is the last element: O(1) both ways), a reference count per block, a block table per sequence, the
 copy-on-write plan and the prefix-cache hooks (notebook 06). It trusts its arguments: ``PagedKVCache``
-checks them. A call that raises, ``KeyboardInterrupt`` included, changes nothing. One thread at a time,
-like nano-vllm and vLLM: a caller that shares it between threads serialises the calls (one lock).
+checks them. ``reserve``, the write path, undoes itself whatever stops it, ``KeyboardInterrupt`` included.
+One thread at a time, like nano-vllm and vLLM: a caller that shares it between threads serialises the
+calls (one lock).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``PagedKVCache``, the paged KV cache of notebooks 02-08: a ``BlockManager`` (which block holds which
-tokens) beside a ``KVPool`` (the K/V tensors), every argument checked first (``_checks.py``). A call that
-raises, for any reason, changes nothing. Single-threaded, like nano-vllm's and vLLM's block managers: a
-caller that uses one cache from several threads serialises the calls (one lock held around each).
+tokens) beside a ``KVPool`` (the K/V tensors), every argument checked first (``_checks.py``): a call that
+raises changes nothing. An append stopped halfway (an interrupt, say) is undone too, except that cached
+blocks evicted for it come back as plain free blocks. Single-threaded, like nano-vllm's and vLLM's block
+managers: a caller that uses one cache from several threads serialises the calls (one lock around each).
 """
 
 from __future__ import annotations
