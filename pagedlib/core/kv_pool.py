@@ -1,11 +1,7 @@
-"""The KV pool: the K and V tensors of every block, written and read through flat slot ids.
-
-Both pools are ``[num_blocks, num_layers, block_size, kv_heads, head_dim]``: one block holds ``block_size``
-tokens of every layer, so one block table serves the whole model. A token's place is its *slot id*
-``block * block_size + offset``, vLLM's ``slot_mapping``: ``write`` puts new K/V there the way vLLM's
-``reshape_and_cache`` kernel does, one indexed write per pool. The pool knows nothing of sequences: the
-``BlockManager`` says which slots to use.
-"""
+"""The KV pool: K and V ``[num_blocks, num_layers, block_size, kv_heads, head_dim]``, so one block table
+serves every layer. A token's place is its slot id ``block * block_size + offset`` (vLLM's
+``slot_mapping``); ``write`` puts new K/V there as vLLM's ``reshape_and_cache`` does, one indexed write per
+pool. The pool knows nothing of sequences: the ``BlockManager`` says which slots to use."""
 
 from __future__ import annotations
 

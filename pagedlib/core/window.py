@@ -1,11 +1,7 @@
-"""Sliding-window attention on the paged cache (notebook 07).
-
-With a window of ``w`` positions (Mistral 7B: 4096) the token at position ``i`` attends to positions
-``i - w + 1 .. i``. Once a whole block lies before the window of a sequence's newest token, no later token
-sees it either: it goes back to the free stack, so a sequence holds at most ``ceil(w / block_size) + 1``
-blocks. ``seq_lens`` then counts the tokens still held; the caller keeps the number of positions released
-(for rotary embeddings, say).
-"""
+"""Sliding windows on the paged cache (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a
+block wholly before the window of a sequence's newest token is never seen again, so it goes back to the free
+stack and a sequence holds at most ``ceil(w / block_size) + 1`` blocks. ``seq_lens`` then counts the tokens
+still held; the caller keeps the number of positions released (for rotary embeddings, say)."""
 
 from __future__ import annotations
 
