@@ -596,3 +596,40 @@ def test_state_diff_names_what_changed():
     assert c.state_diff(before) == []  # NaN slots compare equal to themselves
     c.append_tokens(0, *kv(5))
     assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens", "ref_counts"}
+
+
+def test_reserve_takes_the_slots_an_append_would_write_and_writes_no_kv():
+    """``reserve`` (the model's path: it writes K/V layer by layer itself) advances the same bookkeeping as
+    an append, returns each sequence's flat slot ids, and copies a shared block but writes nothing else."""
+    ref, c = make(fill=float("nan")), make(fill=float("nan"))
+    for cache in (ref, c):
+        for s, n in (("a", 3), ("b", 5)):
+            cache.add_sequence(s)
+            cache.append_tokens(s, *kv(n, seed=n))
+        cache.fork("a", "f")  # "f" shares a's partly filled block: reserving for it copies the block
+    pools = c.k.clone(), c.v.clone()
+    slots = c.reserve(["f", "b"], [2, 4])
+    k, v = kv(6, seed=9)
+    ref.append_tokens("f", k[:, :2], v[:, :2])
+    ref.append_tokens("b", k[:, 2:], v[:, 2:])
+    assert c.tables == ref.tables and c.seq_lens == ref.seq_lens and c.free == ref.free and c.cow_copies == 1
+    want = [[c.slot(s, p).block * BS + c.slot(s, p).offset for p in range(c.seq_lens[s] - n, c.seq_lens[s])]
+            for s, n in (("f", 2), ("b", 4))]
+    assert slots == want
+    copy = c.tables["f"][0]
+    assert torch.equal(c.k[copy, :, :3], c.k[c.tables["a"][0], :, :3])  # the copy holds a's 3 tokens
+    untouched = [b for b in range(12) if b != copy]  # no K/V written anywhere else: still NaN where unused
+    for pool, before in zip((c.k, c.v), pools):
+        assert torch.equal(pool[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
+    c.check_invariants()
+    snap = snapshot(c)
+    for call, text in [(lambda: c.reserve(["a"], [1, 2]), "counts must be a list of 1 ints"),
+                       (lambda: c.reserve(["a"], [-1]), r"counts\[0\] must be >= 0"),
+                       (lambda: c.reserve(["a", "a"], [1, 1]), "distinct"),
+                       (lambda: c.reserve(["a"], [1], token_ids=[1, 2]), "token_ids must hold 1")]:
+        with pytest.raises(ValueError, match=text):
+            call()
+        assert_unchanged(c, snap)
+    with pytest.raises(OutOfBlocksError, match="a batch of 2 sequences"):
+        c.reserve(["a", "b"], [40, 1])
+    assert_unchanged(c, snap)
