@@ -525,14 +525,15 @@ def test_a_cache_pickles_and_deep_copies():
     c.append_tokens(0, *kv(5))
     for copy in (pickle.loads(pickle.dumps(c)), __import__("copy").deepcopy(c)):
         assert copy.tables == c.tables and torch.equal(copy.gather(0)[0], c.gather(0)[0])
-        copy.append_token(0, *kv())  # the copy has a lock of its own
+        copy.append_token(0, *kv())  # the copy is independent of the original
         assert c.seq_lens[0] == 5
 
 
-def test_threads_never_see_a_half_done_call():
-    """Two writers (batched decode steps and per-token appends) and a reader calling check_invariants.
-    The switch interval is shrunk so that threads are interrupted inside methods as often as possible."""
-    c = make(64)
+def test_threads_that_serialise_their_calls_never_see_a_half_done_call():
+    """The documented contract: the cache is single-threaded, and callers that share one between threads hold
+    one lock around each call. Two writers (batched decode steps and per-token appends) and a reader calling
+    check_invariants, with the switch interval shrunk so that threads are switched as often as possible."""
+    c, lock = make(64), threading.Lock()
     for s in range(8):
         c.add_sequence(s)
     errors: list[BaseException] = []
@@ -541,16 +542,17 @@ def test_threads_never_see_a_half_done_call():
     def loop(body) -> None:
         try:
             while not stop.is_set():
-                body()
+                with lock:
+                    body()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     def decode_and_free() -> None:
-        for _ in range(5):
-            c.append_batch([0, 1, 2, 3], *kv(4))
-        for s in range(4):
-            c.free_sequence(s)
-            c.add_sequence(s)
+        c.append_batch([0, 1, 2, 3], *kv(4))
+        if c.seq_lens[0] >= 5:
+            for s in range(4):
+                c.free_sequence(s)
+                c.add_sequence(s)
 
     def per_token() -> None:
         for s in range(4, 8):
@@ -567,7 +569,7 @@ def test_threads_never_see_a_half_done_call():
     try:
         for t in threads:
             t.start()
-        stop.wait(1.5)
+        stop.wait(1.0)
     finally:
         stop.set()
         for t in threads:
@@ -575,6 +577,16 @@ def test_threads_never_see_a_half_done_call():
         sys.setswitchinterval(old)
     assert errors == []
     c.check_invariants()
+    assert c.num_used_blocks == sum(ceil_div(n, BS) for n in c.seq_lens.values())
+
+
+def test_the_docstrings_say_the_cache_is_single_threaded():
+    import pagedlib.core.blocks
+    import pagedlib.core.cache
+
+    for doc in (" ".join(m.__doc__.split()) for m in (pagedlib.core.cache, pagedlib.core.blocks)):
+        assert "Single-threaded" in doc or "One thread at a time" in doc
+        assert "serialises the calls" in doc
 
 
 def test_state_diff_names_what_changed():
@@ -584,3 +596,40 @@ def test_state_diff_names_what_changed():
     assert c.state_diff(before) == []  # NaN slots compare equal to themselves
     c.append_tokens(0, *kv(5))
     assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens", "ref_counts"}
+
+
+def test_reserve_takes_the_slots_an_append_would_write_and_writes_no_kv():
+    """``reserve`` (the model's path: it writes K/V layer by layer itself) advances the same bookkeeping as
+    an append, returns each sequence's flat slot ids, and copies a shared block but writes nothing else."""
+    ref, c = make(fill=float("nan")), make(fill=float("nan"))
+    for cache in (ref, c):
+        for s, n in (("a", 3), ("b", 5)):
+            cache.add_sequence(s)
+            cache.append_tokens(s, *kv(n, seed=n))
+        cache.fork("a", "f")  # "f" shares a's partly filled block: reserving for it copies the block
+    pools = c.k.clone(), c.v.clone()
+    slots = c.reserve(["f", "b"], [2, 4])
+    k, v = kv(6, seed=9)
+    ref.append_tokens("f", k[:, :2], v[:, :2])
+    ref.append_tokens("b", k[:, 2:], v[:, 2:])
+    assert c.tables == ref.tables and c.seq_lens == ref.seq_lens and c.free == ref.free and c.cow_copies == 1
+    want = [[c.slot(s, p).block * BS + c.slot(s, p).offset for p in range(c.seq_lens[s] - n, c.seq_lens[s])]
+            for s, n in (("f", 2), ("b", 4))]
+    assert slots == want
+    copy = c.tables["f"][0]
+    assert torch.equal(c.k[copy, :, :3], c.k[c.tables["a"][0], :, :3])  # the copy holds a's 3 tokens
+    untouched = [b for b in range(12) if b != copy]  # no K/V written anywhere else: still NaN where unused
+    for pool, before in zip((c.k, c.v), pools):
+        assert torch.equal(pool[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
+    c.check_invariants()
+    snap = snapshot(c)
+    for call, text in [(lambda: c.reserve(["a"], [1, 2]), "counts must be a list of 1 ints"),
+                       (lambda: c.reserve(["a"], [-1]), r"counts\[0\] must be >= 0"),
+                       (lambda: c.reserve(["a", "a"], [1, 1]), "distinct"),
+                       (lambda: c.reserve(["a"], [1], token_ids=[1, 2]), "token_ids must hold 1")]:
+        with pytest.raises(ValueError, match=text):
+            call()
+        assert_unchanged(c, snap)
+    with pytest.raises(OutOfBlocksError, match="a batch of 2 sequences"):
+        c.reserve(["a", "b"], [40, 1])
+    assert_unchanged(c, snap)

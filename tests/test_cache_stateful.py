@@ -1,8 +1,9 @@
-"""Hypothesis state machine: random add / prefix-cached add / fork / append (token, prompt, batch, into shared
-blocks) / free / exhaust programs against a plain-Python model (the token ids of each live sequence). After
-every step the invariants hold and ``gather`` returns exactly the K/V of every live sequence's tokens (so no
-eviction and no copy-on-write ever touched a block in use); every call that fails leaves the whole state
-(pools included) unchanged.
+"""Hypothesis state machine: random add / prefix-cached add / fork / append (token, prompt, batch, into
+shared blocks) / free / exhaust / interrupted-append programs against a plain-Python model (the token ids of
+each live sequence). After every step the invariants hold and ``gather`` returns exactly the K/V of every
+live sequence's tokens (so no eviction and no copy-on-write ever touched a block in use); every call that
+fails leaves the whole state (pools included) unchanged, and one that a ``KeyboardInterrupt`` stops halfway
+changes nothing a sequence holds.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedlib.checks import ceil_div
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.core.kv_pool import KVPool
+from pagedlib.core.prefix_cache import PrefixCache
 
 L, H, D = 2, 1, 2  # tiny geometry: the bookkeeping is what is under test
 SEQ_IDS = st.integers(min_value=0, max_value=5)
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), max_size=9)  # 3 token ids: prefixes repeat
 PROMPTS = [[0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 2, 2, 1], [1, 1, 1, 1, 1], [0, 1, 2, 0]]
+STEPS = {"register": PrefixCache, "write": KVPool, "copy_blocks": KVPool}  # steps an interrupt can stop
 
 
 def kv_of(tokens: list[int], start: int) -> torch.Tensor:
@@ -195,6 +199,40 @@ class CacheMachine(RuleBasedStateMachine):
         assert needed > self.cache.num_free_blocks
         call = lambda: self.cache.append_tokens(seq, kv[0], kv[1], token_ids=tokens)
         self.expect_out_of_blocks(call, needed)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), tokens=TOKENS, step=st.sampled_from(sorted(STEPS)), nth=st.integers(1, 3))
+    def interrupted_append(self, data, tokens: list[int], step: str, nth: int) -> None:
+        """``append_tokens`` with a ``KeyboardInterrupt`` raised by the ``nth`` call of one of its steps. If
+        it fires, nothing changes but free blocks' K/V and, where cached blocks were evicted for the call, the
+        prefix cache (the evicted blocks come back as plain free blocks)."""
+        seq, c = data.draw(st.sampled_from(self.live()), label="seq"), self.cache
+        needed, copies = self.needed([(seq, len(tokens))])
+        if needed > c.num_free_blocks:
+            return
+        kv = kv_of(self.model[seq] + tokens, len(self.model[seq]))
+        owner, original, calls = STEPS[step], getattr(STEPS[step], step), []
+
+        def interrupting(obj, *args):
+            calls.append(args)
+            if len(calls) == nth:
+                raise KeyboardInterrupt
+            return original(obj, *args)
+
+        snap, evicted = snapshot(c), c.prefix_cache_stats()["evicted_blocks"]
+        setattr(owner, step, interrupting)
+        try:
+            c.append_tokens(seq, kv[0], kv[1], token_ids=tokens)
+        except KeyboardInterrupt:
+            event(f"interrupted in {step}")
+            evictions = c.prefix_cache_stats()["evicted_blocks"] > evicted
+            allowed = {"k", "v"} | ({"free", "prefix_cache"} if evictions else set())
+            assert set(c.state_diff(snap)) <= allowed, c.state_diff(snap)
+            return
+        finally:
+            setattr(owner, step, original)
+        self.copies += copies
+        self.model[seq] += tokens
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())

@@ -1,3 +1,4 @@
-"""The engine's memory: the paged KV cache, prefix caching, sliding windows and the step scheduler.
+"""The engine's memory: the block manager (``blocks``), the K/V tensors (``kv_pool``), the paged KV cache that
+joins them (``cache``), prefix caching, sliding windows and the step scheduler.
 
 Nothing here imports ``sim``, ``teach`` or ``bench``."""

@@ -1,12 +1,8 @@
-"""Prefix caching: full KV blocks findable by their content, kept after their last user is gone (notebook 06).
-
-``PagedKVCache(..., enable_prefix_caching=True)`` owns one ``PrefixCache``. The idea is vLLM's automatic
-prefix caching (v1 ``KVCacheManager``): when a block becomes full, the cache computes a key for its content
-from the key of the block before it and the block's own token ids, and registers the block under it. A new
-request whose prompt starts with the same tokens walks its full blocks, looks each key up, and attaches the
-blocks it finds instead of computing their K/V again. A registered block whose reference count drops to 0
-keeps its content and waits in ``free_queue``; allocation takes plain free blocks first and evicts from this
-queue, least recently used first, only when none is left.
+"""Prefix caching (notebook 06), vLLM's automatic prefix caching: a block that becomes full is registered
+under a key made of the key of the block before it and its own token ids; a prompt that starts with the same
+tokens finds those blocks and attaches them instead of computing their K/V again. A registered block nobody
+holds keeps its content in ``free_queue`` until ``BlockManager.allocate`` evicts it, least recently used
+first, once the free stack is empty.
 """
 
 from __future__ import annotations
@@ -15,13 +11,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedlib.checks import as_int
+
 __all__ = ["BlockKey", "PrefixCache"]
 
 
 class BlockKey:
-    """The content of a full block: its token ids and the key of the block before it (``None`` for the
-    first block). Hashes as ``hash((parent hash, token ids))``, vLLM's block hash; equality compares the
-    token ids of the whole prefix, so a hash collision can never attach the wrong K/V."""
+    """A full block's content: its token ids after the block ``parent`` (``None`` for the first). It hashes
+    as vLLM's block hash, ``hash((parent hash, token ids))``; equality compares the token ids of the whole
+    prefix, so a hash collision can never attach the wrong K/V."""
 
     __slots__ = ("hash", "parent", "tokens")
 
@@ -35,9 +33,8 @@ class BlockKey:
     def __eq__(self, other: object) -> bool:
         a, b = self, other
         while a is not b:  # walk both prefixes back to a shared ancestor (usually at once: the same object)
-            if not (isinstance(a, BlockKey) and isinstance(b, BlockKey)):
-                return False
-            if a.hash != b.hash or a.tokens != b.tokens:
+            if not (isinstance(a, BlockKey) and isinstance(b, BlockKey)) or (a.hash, a.tokens) != (b.hash,
+                                                                                                  b.tokens):
                 return False
             a, b = a.parent, b.parent
         return True
@@ -48,12 +45,8 @@ class BlockKey:
 
 @dataclass
 class PrefixCache:
-    """Which blocks hold which content, and which of them nobody holds any more (in eviction order).
-
-    ``keys[b]``: the key of full block ``b``'s content (every full block of a live sequence has one);
-    ``blocks[key]``: the block registered for that content (the first block that held it); ``free_queue``:
-    registered blocks with reference count 0, least recently freed first (the next evicted).
-    """
+    """``keys[b]``: the key of full block ``b``; ``blocks[key]``: the block registered for it (the first that
+    held it); ``free_queue``: registered blocks nobody holds, least recently freed first (evicted next)."""
 
     block_size: int
     keys: dict[int, BlockKey] = field(default_factory=dict)
@@ -63,10 +56,12 @@ class PrefixCache:
     hit_tokens: int = 0
     evicted_blocks: int = 0
 
+    def __post_init__(self) -> None:
+        self.block_size = as_int("block_size", self.block_size, minimum=1)
+
     def peek(self, token_ids: Sequence[int]) -> list[int]:
         """The registered blocks holding the longest run of full leading blocks of ``token_ids``, at most
-        ``len(token_ids) - 1`` tokens (the caller computes the last prompt token itself, for its logits).
-        Counts nothing: a scheduler asks this before it decides to admit."""
+        ``len(token_ids) - 1`` tokens (the last one is computed for its logits). Counts nothing."""
         bs, found, parent = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
             block = self.blocks.get(BlockKey(parent, tuple(token_ids[i * bs:(i + 1) * bs])))
@@ -84,10 +79,9 @@ class PrefixCache:
         return found
 
     def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> None:
-        """``block`` just became full with ``tokens`` after block ``parent``: give it its key, and make it
-        findable unless another block already holds the same content."""
-        key = BlockKey(None if parent is None else self.keys[parent], tuple(tokens))
-        self.keys[block] = key
+        """``block`` just became full with ``tokens`` after block ``parent``: it gets its key and is found
+        by it, unless another block holds the same content."""
+        self.keys[block] = key = BlockKey(None if parent is None else self.keys[parent], tuple(tokens))
         self.blocks.setdefault(key, block)
 
     def is_cached(self, block: int) -> bool:
@@ -96,27 +90,32 @@ class PrefixCache:
         return key is not None and self.blocks.get(key) == block
 
     def release(self, block: int) -> bool:
-        """``block``'s reference count reached 0. A cached block joins the back of ``free_queue`` (most
-        recently used, evicted last) and ``True`` is returned; any other block forgets its key."""
+        """Nobody holds ``block`` any more: if cached, it joins the back of ``free_queue`` (``True``); any
+        other block forgets its key."""
         if self.is_cached(block):
             self.free_queue[block] = None
             return True
-        self.keys.pop(block, None)
+        self.forget(block)
         return False
 
+    def forget(self, block: int) -> None:
+        """``block``'s content is gone (it was not cached, or a write into it was rolled back)."""
+        if (key := self.keys.pop(block, None)) is not None and self.blocks.get(key) == block:
+            del self.blocks[key]
+
     def reuse(self, block: int) -> None:
-        """A lookup attached ``block``: it is in use again, so it leaves ``free_queue`` if it was there."""
+        """A lookup attached ``block``: it leaves ``free_queue`` if it was there."""
         self.free_queue.pop(block, None)
 
     def evict(self) -> int:
-        """Take the least recently used block of ``free_queue`` for new content: its key is forgotten."""
+        """Take the least recently used block of ``free_queue`` for new content; it forgets its key."""
         block, _ = self.free_queue.popitem(last=False)
         del self.blocks[self.keys.pop(block)]
         self.evicted_blocks += 1
         return block
 
     def stats(self) -> dict[str, float]:
-        """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable right now."""
+        """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now."""
         rate = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
         return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens, "hit_rate": rate,
                 "evicted_blocks": self.evicted_blocks, "cached_blocks": len(self.blocks)}

@@ -1,14 +1,7 @@
-"""Sliding-window attention on the paged cache (notebook 07).
-
-With a sliding window of ``w`` positions (Mistral 7B uses w = 4096), the token at position ``i`` attends
-to positions ``i - w + 1 .. i`` only. Paging composes with it: once a whole block lies before the window
-of a sequence's newest token, no later token can see it either, so the block goes back to the free stack
-and the sequence holds at most ``ceil(w / block_size) + 1`` blocks however long it grows.
-
-The cache then holds the sequence's tokens from a block boundary on: its ``seq_lens`` counts the tokens
-still held and ``tables`` starts at the first block still held. The caller keeps the position of the
-first held token (the number of positions released) where it needs it, e.g. for rotary embeddings.
-"""
+"""Sliding windows on the paged cache (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a
+block wholly before the window of a sequence's newest token is never seen again, so it goes back to the free
+stack and a sequence holds at most ``ceil(w / block_size) + 1`` blocks. ``seq_lens`` then counts the tokens
+still held; the caller keeps the number of positions released (for rotary embeddings, say)."""
 
 from __future__ import annotations
 
@@ -21,13 +14,8 @@ __all__ = ["release_outside_window"]
 
 
 def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -> int:
-    """Give back the leading blocks of ``seq_id`` that lie wholly before the window of its newest token.
-
-    Returns the number of token positions released (a multiple of ``block_size``; 0 if none)."""
+    """Give back the leading blocks of ``seq_id`` wholly before the window of its newest token. Returns the
+    number of positions released (a multiple of ``block_size``)."""
     window = as_int("window", window, minimum=1)
-    held = cache.seq_lens[seq_id]             # KeyError for an unknown sequence, before any change
-    dead = max(0, held - window) // cache.block_size
-    if dead:
-        cache.release_leading_blocks(seq_id, dead)
-    return dead * cache.block_size
-
+    dead = max(0, cache.seq_lens[seq_id] - window) // cache.block_size  # KeyError for an unknown sequence
+    return len(cache.release_leading_blocks(seq_id, dead)) * cache.block_size if dead else 0

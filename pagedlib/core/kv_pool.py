@@ -1,0 +1,65 @@
+"""The KV pool: K and V ``[num_blocks, num_layers, block_size, kv_heads, head_dim]``, so one block table
+serves every layer. A token's place is its slot id ``block * block_size + offset`` (vLLM's
+``slot_mapping``); ``write`` puts new K/V there as vLLM's ``reshape_and_cache`` does, one indexed write per
+pool. The pool knows nothing of sequences: the ``BlockManager`` says which slots to use."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVPool"]
+
+
+class KVPool:
+    """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history."""
+
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device: torch.device | str, fill: float = 0.0) -> None:
+        shape = (num_blocks, num_layers, block_size, kv_heads, head_dim)
+        self.k = torch.full(shape, fill, dtype=dtype, device=device)
+        self.v = torch.full(shape, fill, dtype=dtype, device=device)
+        self.device = self.k.device  # normalised: "cuda" -> "cuda:0"
+        self.num_layers, self.block_size, self.flat = num_layers, block_size, (-1, kv_heads, head_dim)
+        self.layer_rows = torch.arange(num_layers, device=self.device)[:, None] * block_size  # [L, 1]
+
+    def rows(self, slots: list[int]) -> torch.Tensor:
+        """int64 ``[num_layers * n]`` rows, layer-major, of slot ids ``slots`` in a pool viewed as
+        ``[num_blocks * num_layers * block_size, kv_heads, head_dim]``: (layer ``l``, slot) is row
+        ``(block * num_layers + l) * block_size + offset`` (the layer dim sits between block and offset)."""
+        step, bs = self.num_layers * self.block_size, self.block_size
+        first = torch.tensor([s // bs * step + s % bs for s in slots], dtype=torch.long, device=self.device)
+        return (first + self.layer_rows).view(-1)  # [L, 1] + [n] -> [L, n]
+
+    def write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``) into slot ``slots[i]``
+        of every layer: one ``index_copy_`` per pool."""
+        rows = self.rows(slots)
+        self.k.view(self.flat).index_copy_(0, rows, k.detach().reshape(self.flat))  # [L * n, H, D]
+        self.v.view(self.flat).index_copy_(0, rows, v.detach().reshape(self.flat))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair: copy-on-write, the only
+        K/V the cache ever copies."""
+        if copies:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+            for pool in (self.k, self.v):
+                pool[dst] = pool[src]  # [c, L, block_size, H, D]
+
+    def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies of K and V at ``slots``: ``[num_layers, n, kv_heads, head_dim]`` each."""
+        rows, out = self.rows(slots), (self.num_layers, len(slots), *self.flat[1:])
+        k, v = (pool.view(self.flat).index_select(0, rows).view(out) for pool in (self.k, self.v))
+        return k, v
+
+    def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
+        """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, strided, no
+        copy: what attention and the kernels read."""
+        return self.k[:, l], self.v[:, l]
+
+    def fill_except(self, used: list[int], value: float) -> None:
+        """Write ``value`` into every slot not listed in ``used`` (flat slot ids)."""
+        keep = torch.zeros(self.k.shape[0] * self.block_size, dtype=torch.bool)
+        keep[used] = True
+        unused = (~keep).view(self.k.shape[0], self.block_size).to(self.device)  # [num_blocks, block_size]
+        for pool in (self.k, self.v):
+            pool.transpose(1, 2)[unused] = value  # a view [num_blocks, bs, L, H, D]; writes through

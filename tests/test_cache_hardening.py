@@ -1,0 +1,159 @@
+"""The cache under a hostile caller (issue 19): an exception (an interrupt, say) in the middle of an append,
+sizes whose Python bookkeeping alone would not fit, and ids or token ids of the wrong kind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import assert_unchanged, snapshot
+
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.kv_pool import KVPool
+from pagedlib.core.prefix_cache import PrefixCache
+
+L, BS, H, D = 2, 4, 1, 2
+
+
+def kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g)
+
+
+def busy(caching: bool) -> PagedKVCache:
+    """"p" holds 6 tokens (a full block and a partial one) that "c" shares (fork); "q" is another sequence."""
+    c = PagedKVCache(12, L, BS, H, D, fill=float("nan"), enable_prefix_caching=caching)
+    ids = list(range(6)) if caching else None
+    c.add_sequence("p")
+    c.append_tokens("p", *kv(6), token_ids=ids)
+    c.fork("p", "c")
+    c.add_sequence("q")
+    c.append_tokens("q", *kv(3, seed=1), token_ids=ids[:3] if ids else None)
+    return c
+
+
+def raise_on_call(original, n: int, exc: type[BaseException]):
+    """A stand-in for method ``original`` that raises ``exc`` on its ``n``-th call (earlier calls did their
+    part, so the failure lands halfway)."""
+    calls = []
+
+    def step(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == n:
+            raise exc("injected")
+        return original(self, *args, **kwargs)
+    return step
+
+
+def batch(c: PagedKVCache, on: bool) -> None:  # "c" copies the partly filled block it shares with "p"
+    c.append_batch(["c", "q", "p"], *kv(3, seed=2), token_ids=[7, 8, 9] if on else None)
+
+
+def prompt(c: PagedKVCache, on: bool) -> None:  # fills 3 blocks of "q"
+    c.append_tokens("q", *kv(9, seed=3), token_ids=list(range(3, 12)) if on else None)
+
+
+def reserve(c: PagedKVCache, on: bool) -> None:  # "c" copies; "q" fills 2 blocks
+    c.reserve(["c", "q"], [1, 6], token_ids=list(range(7)) if on else None)
+
+
+# name: (call, registrations it makes with prefix caching)
+APPENDS = {"batch": (batch, 1), "prompt": (prompt, 3), "reserve": (reserve, 2)}
+STEPS = {"PrefixCache.register": PrefixCache, "KVPool.write": KVPool, "KVPool.copy_blocks": KVPool}
+CASES = [(step, append) for step in STEPS for append in APPENDS
+         if (step, append) != ("KVPool.write", "reserve")]  # reserve writes no K/V
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
+@pytest.mark.parametrize("step, append", CASES)
+def test_an_exception_inside_an_append_changes_nothing(monkeypatch, step, append, exc):
+    """The step fails halfway (the second of three registrations, say): everything is as it was."""
+    caching, (call, registrations) = step.startswith("PrefixCache"), APPENDS[append]
+    c = busy(caching)
+    snap, free = snapshot(c), c.num_free_blocks
+    owner, name = STEPS[step], step.split(".")[1]
+    n = min(2, registrations) if caching else 1
+    monkeypatch.setattr(owner, name, raise_on_call(getattr(owner, name), n, exc))
+    with pytest.raises(exc, match="injected"):
+        call(c, caching)
+    changed = set(c.state_diff(snap))
+    # copy-on-write may have written into a block that is free again: a free block may hold anything
+    assert changed <= ({"k", "v"} if step == "KVPool.write" else set()), changed
+    c.check_invariants()
+    assert c.num_free_blocks == free
+    for s in c.tables:
+        assert all(torch.equal(a, b) for a, b in zip(c.gather(s), snap.gather(s)))
+    monkeypatch.undo()
+    call(c, caching)  # the same call then works
+    c.check_invariants()
+
+
+def test_an_interrupt_after_an_eviction_leaves_a_consistent_cache(monkeypatch):
+    """Cached blocks evicted for a write that is then undone are plain free blocks: their content may
+    have been overwritten, so they must not be found again."""
+    c = PagedKVCache(3, L, BS, H, D, enable_prefix_caching=True)
+    c.add_sequence("a")
+    c.append_tokens("a", *kv(8), token_ids=list(range(8)))
+    c.free_sequence("a")  # blocks 0 and 1 wait, cached
+    c.add_sequence("b")
+    monkeypatch.setattr(KVPool, "write", raise_on_call(KVPool.write, 1, KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        c.append_tokens("b", *kv(9, seed=1), token_ids=[5] * 9)  # all 3 blocks: 1 plain, 2 evicted
+    c.check_invariants()
+    assert c.num_free_blocks == 3 and c.tables["b"] == [] and c.prefix_cache_stats()["cached_blocks"] == 0
+    assert c.add_sequence("c", list(range(8))) == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="resource.RLIMIT_AS and /proc are Linux's")
+def test_a_pool_whose_bookkeeping_cannot_fit_is_refused_before_anything_is_allocated():
+    """2**31 - 1 one-token blocks: 16 GiB of pools, but ~200 GB of Python lists. Refused by the size check,
+    in a subprocess whose address space is capped 2 GiB above what it already uses."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from pagedlib.core.cache import PagedKVCache
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + 2**31, used + 2**31))
+        try:
+            PagedKVCache(2**31 - 1, 1, 1, 1, 1)
+        except ValueError as e:
+            print("refused:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("refused: num_blocks=2147483647"), out.stderr[-2000:]
+    assert "bytes of bookkeeping" in out.stdout
+
+
+def test_a_dict_of_prompt_tokens_is_refused_like_a_set():
+    c = busy(caching=True)
+    snap = snapshot(c)
+    for prompt in ({1: 0, 2: 0}, {1, 2}):
+        with pytest.raises(ValueError, match=f"prompt_token_ids must be a sequence of token ids, got "
+                                             f"{type(prompt).__name__}"):
+            c.add_sequence("new", prompt)
+        assert_unchanged(c, snap)
+
+
+def test_a_prefix_cache_needs_a_positive_block_size():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="block_size"):
+            PrefixCache(bad).peek([1, 2, 3])
+    assert PrefixCache(2).peek([1, 2, 3]) == []
+
+
+def test_tensor_sequence_ids_are_refused():
+    """A tensor hashes by identity: ``torch.tensor(3)`` could never be found again by an equal tensor."""
+    c = busy(caching=False)
+    c.add_sequence(3)
+    snap = snapshot(c)
+    one = [t[:, 0] for t in kv(1)]
+    for call in (lambda: c.add_sequence(torch.tensor(4)), lambda: c.fork("p", torch.tensor(5)),
+                 lambda: c.append_token(torch.tensor(3), *one), lambda: c.gather(torch.tensor(3)),
+                 lambda: c.append_batch([torch.tensor(3)], *kv(1))):
+        with pytest.raises(ValueError, match="must not be a torch.Tensor"):
+            call()
+        assert_unchanged(c, snap)
+    c.append_batch(torch.tensor([3]), *kv(1))  # a 1-d tensor of ids gives its values
+    assert c.seq_lens[3] == 1
