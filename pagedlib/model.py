@@ -1,8 +1,9 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
 Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
-(``checks.SUPPORTED_MODELS``). A forward pass first **reserves** a slot for every new token (the cache's
-appends take every layer at once), then per layer **writes** K/V there and **attends** through the table.
+(``checks.SUPPORTED_MODELS``). A forward pass first **reserves** a slot for every new token
+(``cache.reserve``: blocks taken, nothing written), then per layer **writes** K/V there and **attends**
+through the table.
 """
 
 from __future__ import annotations
@@ -231,8 +232,7 @@ class PagedLlama(nn.Module):
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
         _check_room(cache, seq_ids, prompts)
         starts = [cache.seq_lens[s] for s in seq_ids]
-        for s, p in zip(seq_ids, prompts):
-            cache.append_tokens(s, *self._placeholder(cache, len(p)), token_ids=p)  # reserve the slots
+        cache.reserve(seq_ids, [len(p) for p in prompts], [t for p in prompts for t in p])
         return self._forward(self._step(cache, seq_ids, starts, prompts, None), cache)
 
     @torch.no_grad()
@@ -243,16 +243,8 @@ class PagedLlama(nn.Module):
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, tokens, attention, decode=True)
         attend = decode_kernel(attention, self.shape.head_dim)      # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
-        cache.append_batch(seq_ids, *self._placeholder(cache, len(seq_ids)),
-                           token_ids=[p[0] for p in prompts])                       # reserve the slots
+        cache.reserve(seq_ids, [1] * len(seq_ids), [p[0] for p in prompts])
         return self._forward(self._step(cache, seq_ids, starts, prompts, attend), cache)
-
-    @staticmethod
-    def _placeholder(cache: PagedKVCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero K and V ``[num_layers, n, kv_heads, head_dim]``: appended to reserve slots."""
-        z = torch.zeros(cache.num_layers, n, cache.kv_heads, cache.head_dim, dtype=cache.dtype,
-                        device=cache.device)
-        return z, z
 
     def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
               prompts: list[list[int]], decode_attention: Callable[..., torch.Tensor] | None) -> Step:
