@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from pagedlib.bench.timing import positive_float, positive_int, print_table, writable_path, write_json
+from pagedlib.bench.timing import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    print_table,
+    writable_path,
+    write_json,
+)
 from pagedlib.core.budgets import POLICIES
 from pagedlib.sim.simulate import CATEGORIES, new_scheduler, simulate
 from pagedlib.sim.workloads import alpaca_like, shared_prompt_like, sharegpt_like
@@ -13,17 +20,6 @@ COLUMNS = ["policy", "kv_util", *CATEGORIES, "mean_running", "saturated_running"
            "preemptions", "recomputed", "steps", "latency", "leaked"]
 
 WORKLOADS = {"sharegpt": sharegpt_like, "alpaca": alpaca_like, "shared": shared_prompt_like}
-
-
-def non_negative_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 0, else a usage error (exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -94,15 +94,24 @@ def num_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1, else a usage error (exit 2) before any work."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1, else a usage error (exit 2) before any work."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (a seed), else a usage error (exit 2)."""
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:
