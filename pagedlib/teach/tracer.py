@@ -1,8 +1,6 @@
-"""``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06).
-
-Each button calls one of the cache's own methods; Back and Forward walk a history of snapshots (a copy of
-the cache and of the view). Token ``p`` is written as ``k = v = p``, with token id ``p``. A failed action
-changes nothing (checks first, in ``teach._checks``; cache calls are all-or-nothing)."""
+"""``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06). Each button
+calls one of the cache's methods; Back and Forward walk a history of snapshots. Token ``p`` is written as
+``k = v = p``, token id ``p``. A failed action changes nothing (checks first; the cache is all-or-nothing)."""
 
 from __future__ import annotations
 
@@ -77,12 +75,8 @@ _BUTTONS: dict[str, tuple[str, str, Callable[[BlockTableTracer], Any]]] = {  # a
 
 
 class BlockTableTracer:
-    """Interactive block-table tracer over a real ``PagedKVCache``; its buttons act on ``selected``.
-
-    Args:
-        num_blocks, block_size: the pool, small so every slot fits on screen (at most ``MAX_SLOTS``).
-        free_order, enable_prefix_caching: passed to the ``PagedKVCache``.
-    """
+    """Interactive block-table tracer over a real ``PagedKVCache`` (its arguments; at most ``MAX_SLOTS``
+    slots, so every one fits on screen); its buttons act on ``selected``."""
 
     def __init__(self, num_blocks: int = 12, block_size: int = 4, *,
                  free_order: Sequence[int] | None = None, enable_prefix_caching: bool = False) -> None:
@@ -208,7 +202,7 @@ class BlockTableTracer:
 
     def play_to(self, step: int) -> None:
         """Show the scenario after its first ``step`` steps, played as ordinary actions on a fresh pool."""
-        step = _checks.step(step, len(SCENARIO))
+        step = as_int("step", step, minimum=0, maximum=len(SCENARIO))
         self.reset()
         self._scripted = True
         self._log = f"Scenario ready: press play or step forward through its {len(SCENARIO)} steps."
