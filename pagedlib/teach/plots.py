@@ -345,7 +345,7 @@ def plot_policy_sweep(rows: list[dict], x: str, ys: list[tuple[str, str]], xlabe
     for ax, (key, label) in zip(axes[0], ys):
         for i, (policy, (xs, vals)) in enumerate(_lines(rows, "policy", x, key)):
             ax.plot(xs, vals, marker="osD^"[i % 4], ms=9 - 2 * (i % 4), ls=("-", "--", ":", "-.")[i % 4],
-                    color=LINE_COLORS.get(policy), label=policy, clip_on=False, zorder=3)  # whole on 0
+                    color=LINE_COLORS.get(policy), label=policy, clip_on=False, zorder=3)  # unclipped at 0
         _log2_ticks(ax, sorted({r[x] for r in rows}), fontsize=8)
         ax.set(ylim=(0, 1.08 * max(max(r[key] for r in rows), 1e-9)), xlabel=xlabel, ylabel=label)
         ax.grid(alpha=0.3)
