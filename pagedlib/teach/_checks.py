@@ -53,33 +53,10 @@ def room(tables: Mapping[int, list[int]]) -> None:
 
 
 def new_prompt(cache: Any, seq_id: int, prompt_len: object) -> tuple[int, list[int]]:
-    """``(prompt_len, the cached blocks it would attach)`` for a new sequence, once it is sure to fit."""
-    room(cache.tables)
-    n = tokens("prompt_len", prompt_len, cache, minimum=0)
-    return n, prompt_fits(cache, seq_id, n)
-
-
-def tokens(name: str, n: object, cache: Any, minimum: int) -> int:
-    """A token count, at most the pool's slots (checked before any K/V is built for it)."""
-    return as_int(name, n, minimum=minimum, maximum=cache.num_blocks * cache.block_size)
-
-
-def step(value: object, last: int) -> int:
-    """A step number of the scenario, ``0 .. last``."""
-    return as_int("step", value, minimum=0, maximum=last)
-
-
-def history_step(at: int, last: int) -> int:
-    """A step the history holds (Back at step 0, or Forward past the last step, has none)."""
-    if not 0 <= at <= last:
-        raise ValueError(f"no step {at} to go to: the history holds steps 0 to {last}")
-    return at
-
-
-def prompt_fits(cache: Any, seq_id: int, n: int) -> list[int]:
-    """The cached blocks a prompt of ids ``0 .. n-1`` would attach (a peek, no query counted), or
+    """``(prompt_len, the cached blocks a prompt of ids 0 .. n-1 attaches)`` (a peek, no query counted), or
     ``OutOfBlocksError`` if the rest needs more blocks than stay free once those are attached."""
-    pc = cache.prefix_cache
+    room(cache.tables)
+    n, pc = tokens("prompt_len", prompt_len, cache, minimum=0), cache.prefix_cache
     found = pc.peek(range(n)) if pc is not None and n else []
     need = ceil_div(n, cache.block_size) - len(found)
     free = cache.num_free_blocks - sum(b in pc.free_queue for b in found) if found else cache.num_free_blocks
@@ -88,4 +65,16 @@ def prompt_fits(cache: Any, seq_id: int, n: int) -> list[int]:
         what = (f"the last {n - hit} tokens of a {n}-token prompt of sequence {seq_id} (the first {hit} "
                 f"are cached)" if found else f"a {n}-token prompt of sequence {seq_id}")
         raise OutOfBlocksError(need, free, what)
-    return found
+    return n, found
+
+
+def tokens(name: str, n: object, cache: Any, minimum: int) -> int:
+    """A token count, at most the pool's slots (checked before any K/V is built for it)."""
+    return as_int(name, n, minimum=minimum, maximum=cache.num_blocks * cache.block_size)
+
+
+def history_step(at: int, last: int) -> int:
+    """A step the history holds (Back at step 0, or Forward past the last step, has none)."""
+    if not 0 <= at <= last:
+        raise ValueError(f"no step {at} to go to: the history holds steps 0 to {last}")
+    return at

@@ -16,19 +16,17 @@ from pagedlib.checks import ceil_div
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.teach.sizing import block_table_entries, paged_utilization
 
-ALLOC_COLORS = {"append_token": OWNER_COLORS[3], "append_batch": OWNER_COLORS[0],
-                "append_tokens": OWNER_COLORS[0], "contiguous": "#333333", "copy_": OWNER_COLORS[2]}
-IMPL_COLORS = {"reference": OWNER_COLORS[3], "paged": OWNER_COLORS[0], "paged-whole-batch": OWNER_COLORS[4],
-               "contiguous": "#333333", "triton": OWNER_COLORS[2]}
+# a line per write method (notebook 02), attention implementation (04) or admission policy (07)
+LINE_COLORS = {**dict.fromkeys(["append_batch", "append_tokens", "paged"], OWNER_COLORS[0]),
+               **dict.fromkeys(["append_token", "reference", "reserve-max"], OWNER_COLORS[3]),
+               **dict.fromkeys(["copy_", "triton", "reserve-oracle"], OWNER_COLORS[2]),
+               "reserve-pow2": OWNER_COLORS[1], "paged-whole-batch": OWNER_COLORS[4], "contiguous": "#333333"}
 WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
                 "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
 WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
                 "internal": "internal fragmentation", "external": "external fragmentation (paper: & others)",
                 "other": "other (free, too little / watermark)", "unattributed": "not broken down"}
-POLICY_COLORS = {"paged": OWNER_COLORS[0], "reserve-max": OWNER_COLORS[3], "reserve-pow2": OWNER_COLORS[1],
-                 "reserve-oracle": OWNER_COLORS[2]}
-# request colours in the pool pictures: request i gets REQUEST_COLORS[i % 12]
-REQUEST_COLORS = (*OWNER_COLORS, "#2F4B7C", "#FFA600", "#7A9E2F", "#00A5B8")
+REQUEST_COLORS = (*OWNER_COLORS, "#2F4B7C", "#FFA600", "#7A9E2F", "#00A5B8")  # request i: [i % 12]
 
 
 def _new_figure(width: float, height: float, **kwargs) -> tuple[Figure, plt.Axes]:
@@ -57,7 +55,6 @@ def _lines(rows: list[dict], group: str, x: str, *ys: str):
 
 
 # --- notebook 01: memory sizing -------------------------------------------------------------------
-
 def plot_length_histogram(seq_lens: list[int], max_tokens: int) -> Figure:
     """Histogram of request lengths (tokens, log-2 bins), with the reservation limit and the median marked."""
     fig, ax = _new_figure(7.0, 3.0)
@@ -115,7 +112,6 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 
 
 # --- notebook 02: block allocator -----------------------------------------------------------------
-
 def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
     """The physical pool of a ``PagedKVCache``: a cell per block, ``cols`` a row, slots coloured by holder."""
     nb, bs, order = cache.num_blocks, cache.block_size, list(cache.tables)
@@ -144,14 +140,11 @@ def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
 
 def _pool_contents(cache) -> tuple[list[list], list[int], dict[int, str]]:
     """Per block: its holders (table order), its slots holding a token, and a free block's label."""
-    holders, fill, bs = [[] for _ in range(cache.num_blocks)], [0] * cache.num_blocks, cache.block_size
-    for s, table in cache.tables.items():
-        for i, b in enumerate(table):
-            holders[b].append(s)
-            fill[b] = max(fill[b], min(bs, cache.seq_lens[s] - i * bs))
+    bs, entries = cache.block_size, cache.manager.holders()  # per block: (seq, logical index) naming it
+    fill = [max([0, *(min(bs, cache.seq_lens[s] - i * bs) for s, i in hs)]) for hs in entries]
     queue = cache.prefix_cache.free_queue if cache.prefix_cache else []
     label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}
-    return holders, fill, label | {b: f"e{i + 1}" for i, b in enumerate(queue)}
+    return cache.block_holders(), fill, label | {b: f"e{i + 1}" for i, b in enumerate(queue)}
 
 
 def _draw_held_block(ax: plt.Axes, x: float, y: float, colors: list[str], fill: int, block_size: int) -> None:
@@ -188,7 +181,7 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
     fig, ax = _new_figure(6.5, 3.4)
     decode = [r for r in rows if r["phase"] == "decode"]
     for method, (batch, rate) in _lines(decode, "method", "tokens", "tokens_per_s"):
-        ax.plot(batch, rate, marker="o", label=method, color=ALLOC_COLORS.get(method),
+        ax.plot(batch, rate, marker="o", label=method, color=LINE_COLORS.get(method),
                 ls=":" if method == "copy_" else "-")
     _log2_ticks(ax, sorted({r["tokens"] for r in decode}))
     ax.set(yscale="log", xlabel="decode batch (sequences, one new token each; log scale)",
@@ -200,7 +193,6 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
 
 
 # --- notebook 04: reference attention -------------------------------------------------------------
-
 def plot_gather_mask(tables: list[list[int]], seq_lens: list[int], block_size: int) -> Figure:
     """What the vectorized gather copies, a row per sequence: a slot coloured (token) or crossed (masked)."""
     width = max(len(t) for t in tables) * block_size
@@ -230,7 +222,7 @@ def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "
     """Decode time (ms) and bandwidth (GB/s) per implementation in ``bench.attention`` rows against ``x``."""
     fig, (left, right) = _new_figure(10.0, 3.4, ncols=2)
     for impl, (xs, ms, bandwidth) in _lines(rows, "impl", x, "ms", "GB/s"):
-        style = {"color": IMPL_COLORS.get(impl), "marker": "o", "label": impl}
+        style = {"color": LINE_COLORS.get(impl), "marker": "o", "label": impl}
         left.plot(xs, ms, **style)
         right.plot(xs, bandwidth, **style)
     xlabel = {"block_size": "block size (tokens per block, log scale)",
@@ -246,18 +238,16 @@ def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "
 
 
 # --- notebook 05: Triton kernel -------------------------------------------------------------------
-
 def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[int], sm_count: int) -> Figure:
     """Programs the decode kernel launches per shape (``labels``), without and with split-K, vs the SMs."""
     fig, ax = _new_figure(8.0, 3.6)
-    x, width = range(len(labels)), 0.4
-    ax.bar([i - width / 2 for i in x], no_split, width, label="no split: batch x KV heads",
-           color=OWNER_COLORS[0])
-    ax.bar([i + width / 2 for i in x], split, width, label="split-K: x num_splits", color=OWNER_COLORS[1])
+    x, width = np.arange(len(labels)), 0.4
+    ax.bar(x - width / 2, no_split, width, label="no split: batch x KV heads", color=OWNER_COLORS[0])
+    ax.bar(x + width / 2, split, width, label="split-K: x num_splits", color=OWNER_COLORS[1])
     ax.axhline(sm_count, color="black", linewidth=1, linestyle="--")
     ax.text(-0.4, sm_count * 1.1, f"{sm_count} SMs", ha="left", va="bottom", fontsize=8)
     ax.set_yscale("log", base=2)
-    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_xticks(x, labels, fontsize=8)
     ax.set(xlabel="batch / context (tokens)", ylabel="programs launched (count)",
            title="Does the grid fill the GPU? (8 KV heads)")
     ax.legend(fontsize=8, loc="upper left")
@@ -265,7 +255,6 @@ def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[in
 
 
 # --- notebook 06: sharing blocks ------------------------------------------------------------------
-
 def plot_sharing_memory(generated: list[int], curves: dict[str, list[float]], title: str = "") -> Figure:
     """KV memory (MiB) against tokens generated so far, one line per strategy in ``curves``."""
     fig, ax = _new_figure(7.0, 3.4)
@@ -300,7 +289,6 @@ def plot_hit_rate_vs_pool(pool_blocks: list[int], hit_rates: list[float], evicti
 
 
 # --- notebook 07: serving simulation --------------------------------------------------------------
-
 def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dict[str, float]]) -> Figure:
     """The vLLM paper's Figure 2 (hatched) next to ours (``SimResult.breakdown``), stacked by category."""
     fig, ax = _new_figure(9.5, 4.2)
@@ -311,9 +299,7 @@ def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dic
                 continue
             x, bottom = 2.6 * i + 1.05 * j, 0.0
             rest = max(0.0, 1.0 - sum(parts.values()))
-            for key, frac in [*parts.items(), ("unattributed", rest)]:
-                if frac < 5e-4:
-                    continue
+            for key, frac in [(k, f) for k, f in [*parts.items(), ("unattributed", rest)] if f >= 5e-4]:
                 ax.bar(x, 100 * frac, bottom=100 * bottom, width=0.95, color=WASTE_COLORS[key],
                        edgecolor="white", hatch="///" if who == "paper" else None, lw=0.5)
                 if frac >= 0.035:
@@ -341,7 +327,7 @@ def plot_serving_timeline(results: list) -> Figure:
         s = {k: v[::every] for k, v in r.series.items()}
         used = sum(s[k] for k in CATEGORIES)
         util = np.where(used > 0, 100 * s["token"] / np.maximum(used, 1), np.nan)
-        style = {"color": POLICY_COLORS.get(r.policy), "lw": 0.9, "label": r.policy}
+        style = {"color": LINE_COLORS.get(r.policy), "lw": 0.9, "label": r.policy}
         top.plot(s["step"], util, **style)
         bottom.plot(s["step"], s["running"], **style)
     top.set(ylabel="memory holding tokens (%)", ylim=(0, 102))
@@ -359,8 +345,7 @@ def plot_policy_sweep(rows: list[dict], x: str, ys: list[tuple[str, str]], xlabe
     for ax, (key, label) in zip(axes[0], ys):
         for i, (policy, (xs, vals)) in enumerate(_lines(rows, "policy", x, key)):
             ax.plot(xs, vals, marker="osD^"[i % 4], ms=9 - 2 * (i % 4), ls=("-", "--", ":", "-.")[i % 4],
-                    color=POLICY_COLORS.get(policy), label=policy,
-                    clip_on=False, zorder=3)  # markers on the 0 line stay whole
+                    color=LINE_COLORS.get(policy), label=policy, clip_on=False, zorder=3)  # unclipped at 0
         _log2_ticks(ax, sorted({r[x] for r in rows}), fontsize=8)
         ax.set(ylim=(0, 1.08 * max(max(r[key] for r in rows), 1e-9)), xlabel=xlabel, ylabel=label)
         ax.grid(alpha=0.3)
@@ -418,12 +403,10 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
     occ, bs = result.occupancy, result.block_size
     owner, filled = occ.owner[index], occ.filled[index]
     rows, width = ceil_div(len(owner) // bs, cols), cols * bs
-    pad = (0, rows * width - len(owner))
-    grid_owner = np.pad(owner, pad, constant_values=-1).reshape(rows, width)
-    grid_filled = np.pad(filled, pad, constant_values=False).reshape(rows, width)
+    pad = ((0, rows * width - len(owner)), (0, 0))  # the padding slots draw white, as free ones
+    rgb = np.pad(_occupancy_rgb(owner, filled), pad, constant_values=1.0).reshape(rows, width, 3)
     fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 4.0, 14.0), 0.55 * rows + 1.4)
-    ax.imshow(_occupancy_rgb(grid_owner, grid_filled), interpolation="nearest", aspect="auto",
-              origin="lower", extent=(0, width, 0, rows))
+    ax.imshow(rgb, interpolation="nearest", aspect="auto", origin="lower", extent=(0, width, 0, rows))
     for c in range(cols + 1):
         ax.axvline(c * bs, color="#555555", lw=0.8)
     for r in range(rows + 1):
@@ -446,8 +429,7 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
 
 def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
     """``plot_pool_step`` as PNG bytes (the figure closed): the frames of the notebook-07 slider."""
-    fig = plot_pool_step(result, index)
-    buf = io.BytesIO()
+    fig, buf = plot_pool_step(result, index), io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
@@ -461,11 +443,10 @@ def plot_prefix_caching(results: dict[str, object], title: str = "") -> Figure:
     left.set(xlabel="step (one batched forward pass)", ylabel="running requests")
     left.grid(alpha=0.3)
     left.legend(frameon=False, fontsize=8)
-    labels = list(results)
     computed = [r.prefill_tokens / 1000 for r in results.values()]
     found = [r.cached_tokens / 1000 for r in results.values()]
-    right.bar(labels, computed, color=OWNER_COLORS[3], label="prefilled (computed)")
-    right.bar(labels, found, bottom=computed, color=CACHED_COLOR, label="found in the cache")
+    right.bar(list(results), computed, color=OWNER_COLORS[3], label="prefilled (computed)")
+    right.bar(list(results), found, bottom=computed, color=CACHED_COLOR, label="found in the cache")
     right.set(ylabel="tokens at admission (thousands)",
               ylim=(0, 1.35 * max(c + f for c, f in zip(computed, found))))  # room for the legend
     right.legend(frameon=False, fontsize=8, loc="upper center")
@@ -474,7 +455,6 @@ def plot_prefix_caching(results: dict[str, object], title: str = "") -> Figure:
 
 
 # --- notebook 08: end to end ----------------------------------------------------------------------
-
 def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") -> Figure:
     """Blocks held per request after each engine step, stacked; a mark where one finished or was preempted.
 

@@ -1,8 +1,6 @@
-"""``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06).
-
-Each button calls one of the cache's own methods; Back and Forward walk a history of snapshots (a copy of
-the cache and of the view). Token ``p`` is written as ``k = v = p``, with token id ``p``. A failed action
-changes nothing (checks first, in ``teach._checks``; cache calls are all-or-nothing)."""
+"""``BlockTableTracer``: an ipywidgets view of a real ``PagedKVCache`` (notebooks 03 and 06). Each button
+calls one of the cache's methods; Back and Forward walk a history of snapshots. Token ``p`` is written as
+``k = v = p``, token id ``p``. A failed action changes nothing (checks first; the cache is all-or-nothing)."""
 
 from __future__ import annotations
 
@@ -77,12 +75,8 @@ _BUTTONS: dict[str, tuple[str, str, Callable[[BlockTableTracer], Any]]] = {  # a
 
 
 class BlockTableTracer:
-    """Interactive block-table tracer over a real ``PagedKVCache``; its buttons act on ``selected``.
-
-    Args:
-        num_blocks, block_size: the pool, small so every slot fits on screen (at most ``MAX_SLOTS``).
-        free_order, enable_prefix_caching: passed to the ``PagedKVCache``.
-    """
+    """Interactive block-table tracer over a real ``PagedKVCache`` (its arguments; at most ``MAX_SLOTS``
+    slots, so every one fits on screen); its buttons act on ``selected``."""
 
     def __init__(self, num_blocks: int = 12, block_size: int = 4, *,
                  free_order: Sequence[int] | None = None, enable_prefix_caching: bool = False) -> None:
@@ -129,8 +123,7 @@ class BlockTableTracer:
                           f"not written again); the rest: " if hit else "")
             written = self._write(seq_id, hit, n - hit)  # "Position(s) ...": lower-cased below
             self._log = f"Added seq {seq_id} with a {n}-token prompt: {found_text}p{written[1:]}"
-        self._choose(seq_id)
-        self._record()
+        self._record(seq_id)
         return seq_id
 
     @_action
@@ -147,8 +140,7 @@ class BlockTableTracer:
                 "every block is full, so appends take new blocks and nothing will be copied")
         self._log = (f"Forked seq {parent} into seq {child}: the child's table is a copy of the parent's, "
                      f"{table}, length {n}; no K/V was copied, each block has one more ref; {then}.")
-        self._choose(child)
-        self._record()
+        self._record(child)
         return child
 
     @_action
@@ -158,8 +150,7 @@ class BlockTableTracer:
         n = _checks.tokens("n", n, self.cache, minimum=1)  # before any K/V is built for them
         start = self.cache.seq_lens[seq_id]
         self._log = self._write(seq_id, start, n)
-        self._selected, self._lookup = seq_id, (seq_id, start + n - 1)
-        self._record()
+        self._record(seq_id)
 
     @_action
     def free(self, seq_id: int | None = None) -> None:
@@ -174,8 +165,7 @@ class BlockTableTracer:
                 f"{_ids(kept)} still held by other sequences (one ref fewer)" if kept else ""]
         self._log = (f"Freed seq {seq_id}: {'; '.join(filter(None, said)) or 'it held no block'}; "
                      f"{cache.num_free_blocks} blocks free.")
-        self._choose(next(reversed(cache.tables), None))
-        self._record()
+        self._record(next(reversed(cache.tables), None))
 
     @_action
     def lookup(self, seq_id: int | None, pos: int) -> tuple[int, int, int]:
@@ -208,7 +198,7 @@ class BlockTableTracer:
 
     def play_to(self, step: int) -> None:
         """Show the scenario after its first ``step`` steps, played as ordinary actions on a fresh pool."""
-        step = _checks.step(step, len(SCENARIO))
+        step = as_int("step", step, minimum=0, maximum=len(SCENARIO))
         self.reset()
         self._scripted = True
         self._log = f"Scenario ready: press play or step forward through its {len(SCENARIO)} steps."
@@ -226,13 +216,14 @@ class BlockTableTracer:
         num_blocks, block_size = self._geometry
         self.cache = PagedKVCache(num_blocks, num_layers=1, block_size=block_size, kv_heads=1, head_dim=2,
                                   free_order=self._free_order, enable_prefix_caching=self._prefix_caching)
-        self._next_id, self._selected, self._lookup, self._copied = 0, None, None, None
+        self._next_id, self._copied = 0, None
         self._log = f"Empty pool: {num_blocks} free blocks, no sequences."
         self._history, self._at = [], -1  # _record appends step 0
-        self._record()
+        self._record(None)
 
-    def _record(self) -> None:
-        """The cache changed: drop the steps after this one, then snapshot the new state as the next."""
+    def _record(self, selected: int | None) -> None:
+        """The cache changed: select ``selected``, drop the steps after this one, snapshot the new state."""
+        self._choose(selected)
         del self._history[self._at + 1:]
         self._history.append(_Step(copy.deepcopy(self.cache), self._next_id, self._selected, self._lookup,
                                    self._copied, self._log))

@@ -9,10 +9,8 @@ import itertools
 from collections.abc import Sequence
 
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.teach._checks import MAX_SEQUENCES, MAX_SLOTS, drawable
+from pagedlib.teach._checks import MAX_SEQUENCES, MAX_SLOTS, drawable  # noqa: F401 (the limits, re-exported)
 from pagedlib.teach.colors import CACHED_COLOR, CACHED_EDGE, FREE_COLOR, OWNER_NAMES, owner_color
-
-__all__ = ["MAX_SEQUENCES", "MAX_SLOTS", "render_html", "render_history"]
 
 _MONO = "font-family:Menlo,Consolas,DejaVu Sans Mono,monospace"
 _ROOT = "font-family:system-ui,sans-serif;font-size:13px;color:#222;line-height:1.35;max-width:1060px"
