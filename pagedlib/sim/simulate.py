@@ -160,8 +160,7 @@ def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, bl
     pool at every step (steps x slots of memory: small runs only); ``progress`` shows a tqdm bar."""
     requests = list(requests)
     sched = new_scheduler(requests, policy, kv_budget_blocks, block_size, **options)
-    ordered = sorted(requests, key=lambda r: (r.arrival, r.req_id))
-    return _result(sched, *_run(sched, ordered, record_occupancy, progress))
+    return _result(sched, *_run(sched, requests, record_occupancy, progress))
 
 
 def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
@@ -179,11 +178,11 @@ def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: bool) -> tuple:
-    """Serve ``requests``: the per-step series, the finished requests' results and the pool pictures."""
+    """Serve ``requests`` by arrival: the per-step series, finished requests' results, pool pictures."""
     from tqdm.auto import tqdm
     series = {k: [] for k in ("step", "running", "waiting", "preempted", *CATEGORIES, "free")}
     first, preempted, done, pictures = {}, Counter(), [], []
-    arrivals, step = deque(requests), 0
+    arrivals, step = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id))), 0
     with tqdm(total=len(requests), disable=not progress, desc=sched.policy, unit="req") as bar:
         while arrivals or sched.has_unfinished:
             if not sched.has_unfinished:
