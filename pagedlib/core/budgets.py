@@ -109,6 +109,5 @@ class SlabBudget(FirstFit):
 
 
 def check_policy(policy: object) -> str:
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    refuse((policy not in POLICIES, f"policy must be one of {POLICIES}, got {policy!r}"))
     return str(policy)

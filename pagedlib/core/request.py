@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, refuse
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,8 @@ class Request:
             object.__setattr__(self, name, as_int(name, getattr(self, name), minimum=minimum))
         if self.prompt_tokens is not None:
             tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in self.prompt_tokens)
-            if len(tokens) != self.prompt_len:
-                raise ValueError(f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, "
-                                 f"got {len(tokens)}")
+            refuse((len(tokens) != self.prompt_len,
+                    f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, got {len(tokens)}"))
             object.__setattr__(self, "prompt_tokens", tokens)
 
     @property
