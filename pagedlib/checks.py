@@ -33,7 +33,6 @@ def as_int(name: str, value: object, *, minimum: int | None = None, maximum: int
 
 
 def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ints ``a >= 0``, ``b >= 1``, exactly (no floats)."""
     return -(-a // b)
 
 
@@ -45,11 +44,9 @@ def refuse(*checks: tuple[object, str]) -> None:
 
 
 def check_hf_config(config: Any) -> None:
-    """Refuse, by name, a config field whose computation PagedLlama lacks."""
     kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_MODELS:
-        raise ValueError(f"PagedLlama supports model_type in {sorted(SUPPORTED_MODELS)} only (Mistral: "
-                         f"with no sliding window), the config has model_type={kind!r}")
+    refuse((kind not in SUPPORTED_MODELS, f"PagedLlama supports model_type in {sorted(SUPPORTED_MODELS)} "
+            f"only (Mistral: with no sliding window), the config has model_type={kind!r}"))
     got = {k: getattr(config, k, want) for k, want in _FIELDS.items()}
     got["rope_type"] = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     refuse(*((got[k] != v, f"PagedLlama supports {k}={v!r} only, the config has {got[k]!r}")
@@ -61,22 +58,19 @@ def check_hf_config(config: Any) -> None:
 
 
 def check_hf_model(hf_model: Any) -> None:
-    """The config, then the class: a causal LM with its head (``SUPPORTED_MODELS``), not a bare decoder."""
     check_hf_config(getattr(hf_model, "config", None))
     want, got = SUPPORTED_MODELS[hf_model.config.model_type], type(hf_model).__name__
-    if got != want:
-        raise ValueError(f"PagedLlama.from_hf loads a {want} (a causal LM with its head), got a {got}")
+    refuse((got != want, f"PagedLlama.from_hf loads a {want} (a causal LM with its head), got a {got}"))
 
 
 def check_weights(missing: list[str], unexpected: list[str]) -> None:
-    refuse((missing or unexpected, f"not a Llama state_dict: missing {missing[:4]}, unexpected "
-                                   f"{unexpected[:4]}"))
+    if missing or unexpected:
+        raise ValueError(f"not a Llama state_dict: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
 def check_model_dtype(dtype: object) -> None:
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"PagedLlama runs in {', '.join(map(str, MODEL_DTYPES))} (what attention takes), "
-                         f"got {dtype} (pass dtype=...)")
+    refuse((dtype not in MODEL_DTYPES, f"PagedLlama runs in {', '.join(map(str, MODEL_DTYPES))} (what "
+                                       f"attention takes), got {dtype} (pass dtype=...)"))
 
 
 def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
@@ -96,7 +90,6 @@ def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
 
 def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str,
                decode: bool) -> tuple[list[Any], list[list[int]]]:
-    """What ``prefill`` (``prompts``) or ``decode`` (one token each) takes, before anything changes."""
     check_attention(attention)
     check_model_dtype(model.dtype)
     s = model.shape
@@ -123,7 +116,6 @@ def check_attention(attention: object, block_size: int = 1) -> None:
 
 
 def check_generate(prompts: object, max_new_tokens: object, pending: bool) -> int:
-    """``Engine.generate``'s arguments (the engine checks each prompt); ``max_new_tokens`` as an int."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -134,7 +126,6 @@ def check_generate(prompts: object, max_new_tokens: object, pending: bool) -> in
 
 def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int, attention: str,
                  enable_prefix_caching: bool, max_num_seqs: int) -> tuple[int, int, int]:
-    """``Engine``'s arguments: ``(num_blocks, block_size, max_num_seqs)`` as ints."""
     if not isinstance(model, model_class):
         raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
                          f"got {type(model).__name__}")

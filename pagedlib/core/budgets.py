@@ -1,12 +1,11 @@
 """KV budgets of the scheduler (notebook 07): ``PagedBudget`` takes blocks on demand (vLLM), ``SlabBudget``
-sets a contiguous slab aside per request, first-fit (the vLLM paper's Orca baselines, §6.1). Each answers
-``blocks_alone`` (can it ever run), ``decode_blocks`` (what a decode takes), ``reserve`` (admit it now?)."""
+a contiguous slab per request, first-fit (the vLLM paper's Orca baselines, §6.1): can it run, admit it now?"""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from pagedlib.checks import as_int, ceil_div
+from pagedlib.checks import as_int, ceil_div, refuse
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 
@@ -59,7 +58,8 @@ class FirstFit:
 
     def allocate(self, key: Hashable, size: int) -> int | None:
         """Place a slab of ``size`` slots in the first hole that holds it: its start, or ``None``."""
-        size = _check_slab(self, key, size)
+        refuse((key in self.slabs, f"{key!r} already holds a slab"))
+        size = as_int("size", size, minimum=1)
         for start, room in self.holes():
             if room >= size:
                 self.slabs[key] = (start, size)
@@ -108,13 +108,6 @@ class SlabBudget(FirstFit):
         self.free(request.req_id)
 
 
-def _check_slab(ff: FirstFit, key: Hashable, size: object) -> int:
-    if key in ff.slabs:
-        raise ValueError(f"{key!r} already holds a slab")
-    return as_int("size", size, minimum=1)
-
-
 def check_policy(policy: object) -> str:
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    refuse((policy not in POLICIES, f"policy must be one of {POLICIES}, got {policy!r}"))
     return str(policy)

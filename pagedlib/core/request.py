@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, refuse
 
 
 @dataclass(frozen=True)
@@ -18,19 +18,15 @@ class Request:
     output_len: int
     prompt_tokens: tuple[int, ...] | None = None
 
-    def __post_init__(self) -> None:
-        _check_request(self)
+    def __post_init__(self) -> None:  # the argument checks, normalising numpy ints to ints
+        for name, minimum in (("req_id", 0), ("arrival", 0), ("prompt_len", 1), ("output_len", 1)):
+            object.__setattr__(self, name, as_int(name, getattr(self, name), minimum=minimum))
+        if self.prompt_tokens is not None:
+            tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in self.prompt_tokens)
+            refuse((len(tokens) != self.prompt_len,
+                    f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, got {len(tokens)}"))
+            object.__setattr__(self, "prompt_tokens", tokens)
 
     @property
     def max_kv_len(self) -> int:
         return self.prompt_len + self.output_len - 1
-
-
-def _check_request(r: Request) -> None:
-    for name, minimum in (("req_id", 0), ("arrival", 0), ("prompt_len", 1), ("output_len", 1)):
-        object.__setattr__(r, name, as_int(name, getattr(r, name), minimum=minimum))
-    if r.prompt_tokens is not None:
-        tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in r.prompt_tokens)
-        if len(tokens) != r.prompt_len:
-            raise ValueError(f"prompt_tokens must hold prompt_len = {r.prompt_len} ids, got {len(tokens)}")
-        object.__setattr__(r, "prompt_tokens", tokens)

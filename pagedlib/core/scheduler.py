@@ -39,10 +39,10 @@ class Scheduler:
                  watermark: float = 0.01, max_model_len: int = 2048, kv_budget_blocks: int | None = None,
                  sliding_window: int | None = None,
                  token_ids: Callable[[Request, int], Sequence[int]] | None = None) -> None:
-        self.policy, self.max_num_seqs, self.max_model_len, self.kv_budget_blocks = _check_scheduler(
-            cache, policy, max_num_seqs, max_model_len, kv_budget_blocks)
+        (self.policy, self.max_num_seqs, self.max_model_len, self.kv_budget_blocks, self.sliding_window,
+         self.token_ids) = _check_scheduler(cache, policy, max_num_seqs, max_model_len, kv_budget_blocks,
+                                            watermark, sliding_window, token_ids)
         self.cache, self.block_size = cache, cache.block_size
-        self.sliding_window, self.token_ids = _check_options(self, watermark, sliding_window, token_ids)
         self.budget = (PagedBudget(cache, watermark, self.sliding_window) if policy == "paged" else
                        SlabBudget(policy, self.kv_budget_blocks, self.block_size, self.max_model_len))
         self.waiting: deque[Request] = deque()
@@ -54,7 +54,14 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """``ValueError`` unless ``request`` is new, fits the model and, alone, the budget."""
-        _check_request_fits(self, request)
+        if not isinstance(r := request, Request):
+            raise ValueError(f"request must be a Request, got {type(r).__name__}")
+        need = self.budget.blocks_alone(r)
+        refuse((r.req_id in self.generated, f"request id {r.req_id} is already queued or running"),
+               (r.prompt_len + r.output_len > self.max_model_len, f"request {r.req_id}: prompt_len + "
+                f"output_len = {r.prompt_len} + {r.output_len} > max_model_len = {self.max_model_len}"),
+               (need > self.kv_budget_blocks, f"request {r.req_id} needs {need} blocks, more than the budget "
+                                              f"of {self.kv_budget_blocks}: it could never run"))
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -68,15 +75,13 @@ class Scheduler:
     def step(self) -> StepPlan:
         """Plan one step: free what sliding windows no longer see, give every running request a decode slot
         (preempting while memory is short), then, unless someone was preempted, admit waiting requests."""
-        _check_finish_called(self)
+        if done := [r.req_id for r in self.running if self.generated[r.req_id] >= r.output_len]:
+            raise RuntimeError(f"requests {done} have all their tokens: call finish() for them first")
         for r in self.running if self.sliding_window else []:
             self.window_start[r.req_id] += release_outside_window(self.cache, r.req_id, self.sliding_window)
         plan = StepPlan(preempted=self.preempt_for_decode())
         plan.decode = list(self.running)
-        if plan.preempted:
-            plan.blocked = bool(self.waiting)
-        else:
-            plan.prefill, plan.blocked = self.admit()
+        plan.prefill, plan.blocked = ([], bool(self.waiting)) if plan.preempted else self.admit()
         for r in plan.scheduled:
             self.generated[r.req_id] += 1
         return plan
@@ -98,7 +103,7 @@ class Scheduler:
     def admit(self) -> tuple[list[tuple[Request, int]], bool]:
         """Admit waiting requests in arrival order while ``max_num_seqs`` and the budget allow (with prefix
         caching, attaching the blocks found): the prefills, and whether a request was refused for memory."""
-        reserved, admitted, blocked = [], [], False        # admitted: (request, first position stored, found)
+        reserved, admitted, blocked = [], [], False  # admitted: (request, tokens, first stored, found)
         pending = self.budget.decode_blocks(self.running)  # blocks this step's decode will take
         try:
             for request in itertools.islice(self.waiting, self.max_num_seqs - len(self.running)):
@@ -110,9 +115,9 @@ class Scheduler:
                     break
                 pending += new
                 reserved.append(request)
-                admitted.append((request, start, self.cache.add_sequence(request.req_id, ids)))
+                admitted.append((request, tokens, start, self.cache.add_sequence(request.req_id, ids)))
         except BaseException:  # undo this step's admissions: no request has moved yet
-            for request, _, _ in admitted:
+            for request, *_ in admitted:
                 self.cache.free_sequence(request.req_id)
             for request in reserved:
                 self.budget.release(request)
@@ -134,8 +139,7 @@ class Scheduler:
         self.running.remove(request)
         del self.window_start[request.req_id], self.generated[request.req_id]
 
-    def _move_to_running(self, request: Request, start: int, cached: int) -> tuple[Request, int]:
-        tokens = request.prompt_len + self.generated[request.req_id]
+    def _move_to_running(self, request: Request, tokens: int, start: int, cached: int) -> tuple[Request, int]:
         self.running.append(self.waiting.popleft())
         self.window_start[request.req_id] = start
         self.cached_tokens += cached
@@ -146,7 +150,7 @@ class Scheduler:
 
 
 def _check_scheduler(cache: object, policy: object, max_num_seqs: object, max_model_len: object,
-                     kv_budget_blocks: object) -> tuple[str, int, int, int]:
+                     kv_budget_blocks: object, watermark: object, window: object, token_ids: object) -> tuple:
     policy = check_policy(policy)
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -157,43 +161,20 @@ def _check_scheduler(cache: object, policy: object, max_num_seqs: object, max_mo
     max_model_len = as_int("max_model_len", max_model_len, minimum=2)
     budget = (n if paged else n - max_num_seqs) if kv_budget_blocks is None else kv_budget_blocks
     budget = as_int("kv_budget_blocks", budget, minimum=1)
-    if paged and budget != n:
-        raise ValueError(f"under 'paged' the budget is the cache: kv_budget_blocks must be {n}, got {budget}")
-    if not paged and n < budget + max_num_seqs:
-        raise ValueError(f"the cache stores a reservation policy's tokens and needs kv_budget_blocks + "
-                         f"max_num_seqs = {budget + max_num_seqs} blocks, it has {n}")
-    return policy, max_num_seqs, max_model_len, budget
-
-
-def _check_options(s: Scheduler, watermark: object, window: object, token_ids: object) -> tuple:
+    refuse((paged and budget != n, f"under 'paged' the budget is the cache: kv_budget_blocks must be {n}, "
+                                   f"got {budget}"),
+           (not paged and n < budget + max_num_seqs, "the cache stores a reservation policy's tokens and "
+            f"needs kv_budget_blocks + max_num_seqs = {budget + max_num_seqs} blocks, it has {n}"))
     if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
         raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
     window = None if window is None else as_int("sliding_window", window, minimum=1)
-    if window is not None and s.policy != "paged":
+    if window is not None and not paged:
         raise ValueError("sliding_window needs the paged policy (a slab cannot give back its front)")
-    if s.cache.prefix_cache is None:
-        return window, None
-    refuse((s.policy != "paged",
-            "prefix caching needs the 'paged' policy (a contiguous slab is never shared)"),
+    if cache.prefix_cache is None:
+        return policy, max_num_seqs, max_model_len, budget, window, None
+    refuse((not paged, "prefix caching needs the 'paged' policy (a contiguous slab is never shared)"),
            (window is not None, "sliding_window cannot be combined with prefix caching (a cached block's key "
-                                "names the block before it, which the window would free)"))
-    if not callable(token_ids):
-        raise ValueError("a cache with prefix caching needs token_ids(request, n) -> the request's "
-                         f"first n token ids, got {token_ids!r}")
-    return window, token_ids
-
-
-def _check_request_fits(s: Scheduler, r: object) -> None:
-    if not isinstance(r, Request):
-        raise ValueError(f"request must be a Request, got {type(r).__name__}")
-    need = s.budget.blocks_alone(r)
-    refuse((r.req_id in s.generated, f"request id {r.req_id} is already queued or running"),
-           (r.prompt_len + r.output_len > s.max_model_len, f"request {r.req_id}: prompt_len + output_len = "
-            f"{r.prompt_len} + {r.output_len} > max_model_len = {s.max_model_len}"),
-           (need > s.kv_budget_blocks, f"request {r.req_id} needs {need} blocks, more than the budget of "
-                                       f"{s.kv_budget_blocks}: it could never run"))
-
-
-def _check_finish_called(s: Scheduler) -> None:
-    if done := [r.req_id for r in s.running if s.generated[r.req_id] >= r.output_len]:
-        raise RuntimeError(f"requests {done} have all their tokens: call finish() for them first")
+                                "names the block before it, which the window would free)"),
+           (not callable(token_ids), "a cache with prefix caching needs token_ids(request, n) -> the "
+                                     f"request's first n token ids, got {token_ids!r}"))
+    return policy, max_num_seqs, max_model_len, budget, window, token_ids

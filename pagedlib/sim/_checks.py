@@ -28,9 +28,8 @@ def check_simulate(requests: Iterable[Request], policy: object, kv_budget_blocks
         raise ValueError(f"requests must hold Request objects, got {bad[0]}")
     if len({r.req_id for r in requests}) != len(requests):
         raise ValueError("requests must have distinct req_id values")
-    budget = as_int("kv_budget_blocks", kv_budget_blocks, minimum=1)
-    block_size = as_int("block_size", block_size, minimum=1)
-    max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
+    budget, block_size, max_num_seqs = (as_int(k, v, minimum=1) for k, v in (
+        ("kv_budget_blocks", kv_budget_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs)))
     if budget * block_size > MAX_SLOTS:
         raise ValueError(f"kv_budget_blocks * block_size must be <= 2**31 - 1, got {budget * block_size}")
     if enable_prefix_caching and (missing := [r.req_id for r in requests if r.prompt_tokens is None]):

@@ -160,8 +160,7 @@ def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, bl
     pool at every step (steps x slots of memory: small runs only); ``progress`` shows a tqdm bar."""
     requests = list(requests)
     sched = new_scheduler(requests, policy, kv_budget_blocks, block_size, **options)
-    ordered = sorted(requests, key=lambda r: (r.arrival, r.req_id))
-    return _result(sched, *_run(sched, ordered, record_occupancy, progress))
+    return _result(sched, *_run(sched, requests, record_occupancy, progress))
 
 
 def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
@@ -169,25 +168,21 @@ def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
     bs, slots = s.block_size, s.kv_budget_blocks * s.block_size
     owner, filled = np.full(slots, -1, dtype=np.int32), np.zeros(slots, dtype=bool)
     for r in s.running:
-        held = s.cache.seq_lens[r.req_id]
         if isinstance(s.budget, SlabBudget):
             start, size = s.budget.slabs[r.req_id]
-            owner[start:start + size] = r.req_id
-            filled[start:start + held] = True
-            continue
-        for i, b in enumerate(s.cache.tables[r.req_id]):
-            owner[b * bs:(b + 1) * bs] = r.req_id
-            filled[b * bs:b * bs + min(bs, held - i * bs)] = True
+            at = np.arange(start, start + size)
+        else:  # its blocks' slots, in token order
+            at = (np.array(s.cache.tables[r.req_id], dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
+        owner[at], filled[at[:s.cache.seq_lens[r.req_id]]] = r.req_id, True
     return owner, filled
 
 
 def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: bool) -> tuple:
-    """Serve ``requests``: the per-step series, the finished requests' results and the pool pictures."""
+    """Serve ``requests`` by arrival: the per-step series, finished requests' results, pool pictures."""
     from tqdm.auto import tqdm
-
     series = {k: [] for k in ("step", "running", "waiting", "preempted", *CATEGORIES, "free")}
     first, preempted, done, pictures = {}, Counter(), [], []
-    arrivals, step = deque(requests), 0
+    arrivals, step = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id))), 0
     with tqdm(total=len(requests), disable=not progress, desc=sched.policy, unit="req") as bar:
         while arrivals or sched.has_unfinished:
             if not sched.has_unfinished:
@@ -219,8 +214,6 @@ def _result(sched: Scheduler, series: dict, done: list[RequestResult], pictures:
     totals = {k: int(series[k].sum()) for k in CATEGORIES}
     breakdown = {k: v / max(1, sum(totals.values())) for k, v in totals.items()}
     slabs = ceil_div(sched.budget.used_slots, sched.block_size) if isinstance(sched.budget, SlabBudget) else 0
-    leaked = sched.cache.num_used_blocks + slabs
-    occupancy = Occupancy(*map(np.stack, zip(*pictures))) if pictures else None
     running = series["running"]
     return SimResult(
         policy=sched.policy, block_size=sched.block_size, kv_budget_blocks=sched.kv_budget_blocks,
@@ -229,6 +222,7 @@ def _result(sched: Scheduler, series: dict, done: list[RequestResult], pictures:
         preemptions=sched.num_preemptions, recomputed_tokens=sched.recomputed_tokens,
         tokens_generated=sum(r.generated for r in done),
         mean_latency=float(np.mean([r.finished - r.arrival + 1 for r in done])) if done else 0.0,
-        leaked_blocks=leaked, series=series, requests=sorted(done), occupancy=occupancy,
+        leaked_blocks=sched.cache.num_used_blocks + slabs, series=series, requests=sorted(done),
+        occupancy=Occupancy(*map(np.stack, zip(*pictures))) if pictures else None,
         prefill_tokens=sched.prefill_tokens, cached_tokens=sched.cached_tokens,
         prefix_cache_hit_rate=sched.cache.prefix_cache_stats()["hit_rate"] if sched.token_ids else None)

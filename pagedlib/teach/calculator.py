@@ -82,7 +82,6 @@ class MemoryCalculator:
 
     def __init__(self, **settings: object) -> None:
         import ipywidgets as w
-
         r = memory_report(**settings)  # a ValueError naming a bad setting, not a control that clamps it
         kw = {"style": {"description_width": "110px"}}
         self.preset, self.dtype, self.max_tokens, self.block_size, self.num_seqs = controls = [

@@ -1,6 +1,5 @@
-"""KV-cache memory math, in exact integers. A token costs ``2 (K and V) x num_layers x num_kv_heads x head_dim
-x dtype_bytes`` bytes; a **contiguous** cache holds ``max_tokens`` slots per sequence, a **paged** one
-``ceil(n / block_size)`` blocks of ``block_size`` slots for ``n`` tokens. Argument checks at the bottom."""
+"""KV-cache memory math, in exact integers: a token costs ``2 (K and V) x num_layers x num_kv_heads x head_dim
+x dtype_bytes``; a **contiguous** cache reserves ``max_tokens`` per sequence, a **paged** one whole blocks."""
 
 from __future__ import annotations
 
@@ -156,7 +155,6 @@ def format_bytes(n: int | float) -> str:
 
 
 def _check_lens(seq_lens: Iterable[int] | np.ndarray) -> np.ndarray:
-    """``seq_lens`` as an int64 array, each length an int in ``[0, MAX_SEQ_LEN]``."""
     if not (isinstance(seq_lens, np.ndarray) and seq_lens.dtype.kind in "iu" and seq_lens.ndim == 1):
         seq_lens = np.array([as_int(f"seq_lens[{i}]", n) for i, n in enumerate(seq_lens)], dtype=object)
     bad = np.flatnonzero((seq_lens < 0) | (seq_lens > MAX_SEQ_LEN))
@@ -166,7 +164,6 @@ def _check_lens(seq_lens: Iterable[int] | np.ndarray) -> np.ndarray:
 
 
 def _check_reserved(seq_lens: Iterable[int], max_tokens: object) -> tuple[np.ndarray, int]:
-    """``seq_lens`` (int64) and ``max_tokens``, every length within the reservation."""
     max_tokens = as_int("max_tokens", max_tokens, minimum=1, maximum=MAX_SEQ_LEN)
     lens = _check_lens(seq_lens)
     if len(lens) and lens.max() > max_tokens:

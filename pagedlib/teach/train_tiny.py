@@ -1,7 +1,6 @@
 """A tiny character-level Llama trained on Python's own documentation (``pydoc_data.topics``), so notebook 08
-shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny`` (seeded, one thread; 418 s on a
-shared 2-core CPU) writes the weights, ``config.json``, ``vocab.json`` and ``training.json`` (the run) to
-``pagedlib/data/tiny_char_llama/``; tests and notebooks only load them."""
+shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny`` (seeded, one thread) writes it, and
+``training.json`` (the run), to ``pagedlib/data/tiny_char_llama/``; tests and notebooks only load them."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class CharTokenizer:
     def __init__(self, chars: str) -> None:
         if len(set(chars)) != len(chars) or not chars:
             raise ValueError("chars must be a non-empty string of distinct characters")
-        self.chars = chars
-        self.index = {c: i for i, c in enumerate(chars)}
+        self.chars, self.index = chars, {c: i for i, c in enumerate(chars)}
 
     def __len__(self) -> int:
         return len(self.chars)
@@ -56,7 +54,6 @@ class CharTokenizer:
 def corpus() -> str:
     """Every topic of ``pydoc_data.topics``, in key order, in ASCII (~465k characters)."""
     from pydoc_data.topics import topics
-
     return "\n".join(topics[k] for k in sorted(topics)).translate(_ASCII)
 
 
@@ -98,7 +95,6 @@ def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[
     """Train a ``LlamaForCausalLM`` on ``corpus()`` (the last 5% held out): the model, the tokenizer and
     what the run measured (losses in nats per character, seconds)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     tok = CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)))             # 96 characters
@@ -133,7 +129,6 @@ def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[
 def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any], out: Path | str) -> None:
     """Write the weights, ``config.json``, ``vocab.json`` and ``training.json`` (the run) into ``out``."""
     from safetensors.torch import save_file
-
     (out := Path(out)).mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
     model.config.to_json_file(str(out / "config.json"))
@@ -147,9 +142,7 @@ def load_tiny_hf(path: Path | str = TINY_DIR) -> tuple[Any, CharTokenizer]:
     """The committed weights in a ``transformers.LlamaForCausalLM`` (eval mode), and the tokenizer."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    if not (path / "model.safetensors").exists():
+    if not ((path := Path(path)) / "model.safetensors").exists():
         raise FileNotFoundError(f"no tiny model under {path}: run `{COMMAND}` to make it")
     model = LlamaForCausalLM(LlamaConfig.from_json_file(str(path / "config.json")))
     model.load_state_dict(load_file(str(path / "model.safetensors")))
