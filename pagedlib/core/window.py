@@ -10,8 +10,6 @@ from collections.abc import Hashable
 from pagedlib.checks import as_int
 from pagedlib.core.cache import PagedKVCache
 
-__all__ = ["release_outside_window"]
-
 
 def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -> int:
     """Give back the leading blocks of ``seq_id`` wholly before the window of its newest token. Returns the
