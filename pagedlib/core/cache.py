@@ -66,7 +66,7 @@ class PagedKVCache:
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""
         checks.new_id(self, "seq_id", seq_id)
-        prompt = [] if prompt_token_ids is None else checks.token_list("prompt_token_ids", prompt_token_ids)
+        prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
         return self.manager.add_sequence(seq_id, prompt)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
