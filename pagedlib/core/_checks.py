@@ -57,23 +57,16 @@ def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, f
     return sizes, order
 
 
-def seq(cache, seq_id: Hashable) -> None:
-    if seq_id not in cache.manager.seq_lens:
-        _no_tensor("seq_id", seq_id)
-        raise UnknownSequenceError(seq_id, cache.manager.seq_lens)
-
-
-def new_id(cache, name: str, seq_id: Hashable) -> None:
-    if seq_id is None:
+def seq(cache, seq_id: Hashable, name: str = "seq_id", new: bool = False) -> None:
+    """A live ``seq_id`` (``new``: a fresh one, not ``None``), never a tensor."""
+    if new and seq_id is None:
         raise ValueError(f"{name} must not be None (block_owners() uses None for a free block)")
-    _no_tensor(name, seq_id)
-    if seq_id in cache.manager.seq_lens:  # also the TypeError of an unhashable id, before anything changes
-        raise ValueError(f"{name} {seq_id!r} already exists")
-
-
-def _no_tensor(name: str, seq_id: object) -> None:
     if isinstance(seq_id, torch.Tensor):  # hashed by identity: an equal tensor would never find it again
         raise ValueError(f"{name} must not be a torch.Tensor (tensors hash by identity); pass int({name})")
+    if new and seq_id in cache.manager.seq_lens:  # also the TypeError of an unhashable id
+        raise ValueError(f"{name} {seq_id!r} already exists")
+    if not new and seq_id not in cache.manager.seq_lens:
+        raise UnknownSequenceError(seq_id, cache.manager.seq_lens)
 
 
 def token_ids(cache, name: str, token_ids: Sequence[int] | None, n: int | None = None) -> list[int] | None:

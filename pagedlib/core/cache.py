@@ -65,13 +65,13 @@ class PagedKVCache:
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""
-        checks.new_id(self, "seq_id", seq_id)
+        checks.seq(self, seq_id, new=True)
         prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
         return self.manager.add_sequence(seq_id, prompt)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Checked ``BlockManager.fork``: parallel sampling, beam search (notebook 06)."""
-        checks.seq(self, parent_id), checks.new_id(self, "child_id", child_id)
+        checks.seq(self, parent_id), checks.seq(self, child_id, "child_id", new=True)
         self.manager.fork(parent_id, child_id)
 
     def append_tokens(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor,

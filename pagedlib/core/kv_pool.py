@@ -44,8 +44,7 @@ class KVPool:
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous copies of K and V at ``slots``: ``[num_layers, n, kv_heads, head_dim]`` each."""
         rows, out = self.rows(slots), (self.num_layers, len(slots), *self.flat[1:])
-        k, v = (pool.view(self.flat).index_select(0, rows).view(out) for pool in (self.k, self.v))
-        return k, v
+        return tuple(pool.view(self.flat).index_select(0, rows).view(out) for pool in (self.k, self.v))
 
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
         """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, no copy."""
