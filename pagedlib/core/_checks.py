@@ -29,7 +29,6 @@ class UnknownSequenceError(KeyError):
 
 def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, fill: object,
               prefix: object) -> tuple[tuple[int, ...], list[int]]:
-    """The geometry as plain ints and ``free_order`` as a list, or ``ValueError`` naming the argument."""
     sizes = tuple(as_int(n, x, minimum=1, maximum=2**31 - 1 if n == "num_blocks" else None)  # int32 tables
                   for n, x in zip(("num_blocks", "num_layers", "block_size", "kv_heads", "head_dim"), sizes))
     if dtype not in SUPPORTED_DTYPES:
@@ -133,14 +132,13 @@ def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple
 
 def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
     seq(cache, seq_id)
-    m = cache.manager
-    if m.prefix_cache is not None:
+    if cache.prefix_cache is not None:
         raise ValueError("release_leading_blocks needs a cache without prefix caching "
                          "(enable_prefix_caching=False)")
-    if shared := [b for b in m.tables[seq_id] if m.ref_counts[b] > 1]:
+    if shared := [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]:
         raise ValueError(f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; "
                          f"blocks {shared} are shared (fork)")
-    return as_int("n", n, minimum=0, maximum=m.seq_lens[seq_id] // m.block_size)
+    return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)
 
 
 def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:

@@ -1,10 +1,7 @@
-"""The block manager: which physical block holds which tokens of which sequence. Pure Python, no tensors.
-
-Like nano-vllm's ``BlockManager`` and vLLM's ``BlockPool``: a free stack (a list whose last element is handed
-out next), a reference count per block, a block table per sequence, copy-on-write and the prefix-cache hooks
-(notebook 06). It trusts its arguments (``PagedKVCache`` checks them); ``reserve`` undoes itself whatever
-stops it, ``KeyboardInterrupt`` included. One thread at a time, like nano-vllm and vLLM: a caller that
-shares it between threads serialises the calls.
+"""The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``): free stack, reference counts,
+block tables, copy-on-write and the prefix-cache hooks, in pure Python. It trusts its arguments
+(``PagedKVCache`` checks them); ``reserve`` undoes itself whatever stops it, ``KeyboardInterrupt`` included.
+One thread at a time, like nano-vllm and vLLM: a caller that shares it between threads serialises the calls.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""``PagedKVCache``, the paged KV cache of notebooks 02-08: a ``BlockManager`` (which block holds which
-tokens) beside a ``KVPool`` (the K/V tensors), every argument checked first (``_checks.py``): a call that
-raises changes nothing, and an append stopped halfway (an interrupt) is undone, except that cached blocks
-evicted for it come back as plain free blocks. Single-threaded, like nano-vllm's and vLLM's block managers:
-a caller that uses one cache from several threads serialises the calls.
-"""
+"""``PagedKVCache``, the paged KV cache of notebooks 02-08: a ``BlockManager`` beside a ``KVPool``, every
+argument checked first (``_checks.py``), so a call that raises changes nothing; an interrupted append is
+undone too (cached blocks evicted for it come back as plain free blocks). Single-threaded, like nano-vllm's
+and vLLM's block managers: a caller that uses one cache from several threads serialises the calls."""
 
 from __future__ import annotations
 

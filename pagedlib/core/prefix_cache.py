@@ -1,8 +1,6 @@
-"""Prefix caching (notebook 06), vLLM's automatic prefix caching: a block that becomes full is registered
-under a key made of the key of the block before it and its own token ids; a prompt that starts with the same
-tokens attaches those blocks instead of computing their K/V again. A registered block nobody holds waits in
-``free_queue`` until ``BlockManager.allocate``, once the free stack is empty, evicts it (least recently used).
-"""
+"""Prefix caching (notebook 06), vLLM's automatic prefix caching: a full block is registered under a key made
+of its parent's key and its token ids, so a prompt that starts with the same tokens attaches it instead of
+computing its K/V again; a registered block nobody holds waits in ``free_queue`` until evicted (LRU)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Sliding windows on the paged cache (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a
-block wholly before the window of a sequence's newest token is never seen again, so it goes back to the free
-stack and a sequence holds at most ``ceil(w / block_size) + 1`` blocks. ``seq_lens`` then counts the tokens
-still held; the caller keeps the number of positions released (for rotary embeddings, say)."""
+"""Sliding windows (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a block wholly before
+the window of a sequence's newest token is never seen again, so it goes back to the free stack."""
 
 from __future__ import annotations
 
