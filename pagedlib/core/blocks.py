@@ -111,8 +111,7 @@ class BlockManager:
         return self.release(self.tables.pop(seq_id))
 
     def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Give back the first ``n`` blocks (full, unshared) of a sequence: it then holds ``n * block_size``
-        tokens fewer, from its former block ``n`` on. Returns them."""
+        """Give back and return the first ``n`` blocks (full, unshared): ``n * block_size`` tokens less."""
         blocks = self.tables[seq_id][:n]
         del self.tables[seq_id][:n]
         self.seq_lens[seq_id] -= n * self.block_size
@@ -198,12 +197,8 @@ class BlockManager:
         return holders
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken invariant: 1. a block's reference count is the
-        number of tables holding it (each at most once); 2. no held block is free, every other block is free
-        once (stack or prefix cache's queue); 3. every table and free entry is a valid block id; 4. a sequence
-        of length ``n`` holds ``ceil(n / block_size)`` blocks; 5. a shared block is the same logical block,
-        equally filled, in every table; 6. prefix caching: token ids match lengths, full blocks' keys hold
-        their tokens, the queue holds cached blocks only."""
+        """Raise ``InvariantError`` naming the first broken invariant: 1 reference counts, 2 free blocks,
+        3 block ids, 4 table lengths (notebook 02), 5 shared blocks, 6 prefix caching (notebook 06)."""
         holders, bs = self.holders(), self.block_size
         for b, count in enumerate(self.ref_counts):
             if count != len(holders[b]):

@@ -57,9 +57,8 @@ class PagedKVCache:
     num_used_blocks = property(lambda self: self.num_blocks - self.manager.num_free_blocks)
     num_tokens = property(lambda self: sum(self.manager.seq_lens.values()))
     num_allocated_slots = property(lambda self: sum(map(len, self.manager.tables.values())) * self.block_size)
-    # token slots used / allocated (1.0 when none is): 1 - utilization is the internal fragmentation
     utilization = property(lambda self: self.num_tokens / self.num_allocated_slots
-                           if self.num_allocated_slots else 1.0)
+                           if self.num_allocated_slots else 1.0)  # 1 - utilization: internal fragmentation
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""

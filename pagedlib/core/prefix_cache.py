@@ -83,8 +83,7 @@ class PrefixCache:
         return self.blocks.get(self.keys.get(block)) == block
 
     def release(self, block: int) -> bool:
-        """Nobody holds ``block`` any more: if cached, it joins the back of ``free_queue`` (``True``); any
-        other block forgets its key."""
+        """Nobody holds ``block``: a cached one joins ``free_queue`` (``True``), another forgets its key."""
         if self.is_cached(block):
             self.free_queue[block] = None
             return True
