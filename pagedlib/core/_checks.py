@@ -1,5 +1,4 @@
-"""Argument checks of ``PagedKVCache``: each public method calls one of these first, so a bad argument is
-refused by name before anything is allocated or changed (metadata only: no device synchronisation)."""
+"""``PagedKVCache``'s argument checks, run before anything changes (metadata only: no device sync)."""
 
 from __future__ import annotations
 
@@ -10,13 +9,9 @@ import torch
 
 from pagedlib.checks import as_int
 
-#: dtypes a cache can hold: what the attention paths compute in (float64 for reference oracles).
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: Python bookkeeping per block: free-stack entry and its int, reference count, construction (measured peak).
-BOOKKEEPING_BYTES_PER_BLOCK = 100
-#: a cache (pools + bookkeeping) larger than this is refused as a typo: 128 GiB, about one H200's memory.
-MAX_CACHE_BYTES = 2**37
-KV_DIMS = "[num_layers, n, kv_heads, head_dim]"
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: for oracles
+BOOKKEEPING_BYTES_PER_BLOCK = 100  # Python per block: free-stack entry, reference count (measured peak)
+MAX_CACHE_BYTES = 2**37  # a larger cache (pools + bookkeeping) is a typo: 128 GiB, about one H200's memory
 
 
 class UnknownSequenceError(KeyError):
@@ -34,10 +29,8 @@ class UnknownSequenceError(KeyError):
 
 def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, fill: object,
               prefix: object) -> tuple[tuple[int, ...], list[int]]:
-    """The geometry as plain ints and ``free_order`` as a list, or ``ValueError`` naming the argument."""
-    names = ("num_blocks", "num_layers", "block_size", "kv_heads", "head_dim")
     sizes = tuple(as_int(n, x, minimum=1, maximum=2**31 - 1 if n == "num_blocks" else None)  # int32 tables
-                  for n, x in zip(names, sizes))
+                  for n, x in zip(("num_blocks", "num_layers", "block_size", "kv_heads", "head_dim"), sizes))
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype!r}")
     if isinstance(fill, bool) or not isinstance(fill, (int, float)):
@@ -63,41 +56,30 @@ def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, f
     return sizes, order
 
 
-def seq(cache, seq_id: Hashable) -> None:
-    if seq_id not in cache.manager.seq_lens:
-        _no_tensor("seq_id", seq_id)
+def seq(cache, seq_id: Hashable, name: str = "seq_id", new: bool = False) -> None:
+    """A live ``seq_id`` (``new``: a fresh one, not ``None``), never a tensor."""
+    if new and seq_id is None:
+        raise ValueError(f"{name} must not be None (block_owners() uses None for a free block)")
+    if isinstance(seq_id, torch.Tensor):  # hashed by identity: an equal tensor would never find it again
+        raise ValueError(f"{name} must not be a torch.Tensor (tensors hash by identity); pass int({name})")
+    if new and seq_id in cache.manager.seq_lens:  # also the TypeError of an unhashable id
+        raise ValueError(f"{name} {seq_id!r} already exists")
+    if not new and seq_id not in cache.manager.seq_lens:
         raise UnknownSequenceError(seq_id, cache.manager.seq_lens)
 
 
-def new_id(cache, name: str, seq_id: Hashable) -> None:
-    if seq_id is None:
-        raise ValueError(f"{name} must not be None (block_owners() uses None for a free block)")
-    _no_tensor(name, seq_id)
-    if seq_id in cache.manager.seq_lens:  # also the TypeError of an unhashable id, before anything changes
-        raise ValueError(f"{name} {seq_id!r} already exists")
-
-
-def _no_tensor(name: str, seq_id: object) -> None:
-    if isinstance(seq_id, torch.Tensor):  # hashed by identity: an equal tensor would never find it again
-        raise ValueError(f"{name} must not be a torch.Tensor (tensors hash by identity); pass int({name})")
-
-
-def token_list(name: str, token_ids: Sequence[int]) -> list[int]:
-    """Token ids as a list of non-negative Python ints (a list, tuple, range or 1-d tensor)."""
-    if isinstance(token_ids, (str, bytes, set, frozenset, Mapping)) or not hasattr(token_ids, "__len__"):
-        raise ValueError(f"{name} must be a sequence of token ids, got {type(token_ids).__name__}")
-    values = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
-    return [as_int(f"{name}[{i}]", t, minimum=0) for i, t in enumerate(values)]
-
-
-def token_ids(cache, name: str, token_ids: Sequence[int] | None, n: int) -> list[int] | None:
-    """``n`` token ids as plain ints, or ``None``; required when prefix caching is on."""
+def token_ids(cache, name: str, token_ids: Sequence[int] | None, n: int | None = None) -> list[int] | None:
+    """``n`` token ids (``None``: any number) as ints from a list, tuple, range or 1-d tensor; ``None`` stays
+    ``None`` unless prefix caching needs them."""
     if token_ids is None:
         if cache.manager.prefix_cache is not None and n:
             raise ValueError(f"{name} is required when prefix caching is on (blocks are found by them)")
         return None
-    ids = token_list(name, token_ids)
-    if len(ids) != n:
+    if isinstance(token_ids, (str, bytes, set, frozenset, Mapping)) or not hasattr(token_ids, "__len__"):
+        raise ValueError(f"{name} must be a sequence of token ids, got {type(token_ids).__name__}")
+    values = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+    ids = [as_int(f"{name}[{i}]", t, minimum=0) for i, t in enumerate(values)]
+    if n is not None and len(ids) != n:
         raise ValueError(f"{name} must hold {n} token ids, one per token of K/V, got {len(ids)}")
     return ids
 
@@ -109,8 +91,7 @@ def live_ids(cache, seq_ids: Iterable[Hashable] | torch.Tensor, distinct: bool =
         raise ValueError(f"seq_ids must be an ordered sequence of ids (list, tuple, 1-d tensor), "
                          f"got {type(seq_ids).__name__}")
     ids = seq_ids.tolist() if isinstance(seq_ids, torch.Tensor) else list(seq_ids)
-    lens = cache.manager.seq_lens
-    for s in [s for s in ids if s not in lens][:1]:
+    for s in ids:
         seq(cache, s)
     if distinct and len(set(ids)) != len(ids):
         dup = next(s for i, s in enumerate(ids) if s in ids[:i])
@@ -118,37 +99,30 @@ def live_ids(cache, seq_ids: Iterable[Hashable] | torch.Tensor, distinct: bool =
     return ids
 
 
-def kv(cache, name: str, t: object, shape: tuple, dims: str) -> None:
-    """A dense tensor of ``shape`` (``None``: any size), the pools' dtype and device, not a view of them."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
-        raise ValueError(f"{name} must be a dense torch.Tensor, got "
-                         f"{f'layout {t.layout}' if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.dim() != len(shape) or [g if d is None else d for d, g in zip(shape, t.shape)] != list(t.shape):
-        want = ", ".join("n" if d is None else str(d) for d in shape)
-        raise ValueError(f"{name} must have shape {dims} = [{want}], got {list(t.shape)}")
-    if t.dtype != cache.dtype or t.device != cache.pool.device:
-        raise ValueError(f"{name} must have dtype {cache.dtype} on device {cache.pool.device}, "
-                         f"got {t.dtype} on {t.device}")
-    if t.numel() and t.untyped_storage().data_ptr() in (cache.pool.k.data_ptr(), cache.pool.v.data_ptr()):
-        raise ValueError(f"{name} must not be a view of the cache's own pools (pass a .clone())")
-
-
-
-def appended(cache, k: object, v: object, tokens: object, n: int | None = None, dims: str = KV_DIMS,
-             one: bool = False) -> list[int] | None:
+def appended(cache, k: object, v: object, tokens: object, n: int | None = None,
+             dims: str = "[num_layers, n, kv_heads, head_dim]", one: bool = False) -> list[int] | None:
     """K and V ``[num_layers, n, kv_heads, head_dim]`` (``n=None``: as ``k`` says; ``one``: a single token,
-    ``[num_layers, kv_heads, head_dim]``) and their token ids."""
+    ``[num_layers, kv_heads, head_dim]``): dense, the pools' dtype and device, no view of them; their ids."""
     L, H, D = cache.num_layers, cache.kv_heads, cache.head_dim
-    names, shape = (("k_vec", "v_vec", "token_id"), (L, H, D)) if one else (("k", "v", "token_ids"),
-                                                                           (L, n, H, D))
-    kv(cache, names[0], k, shape, dims)
-    kv(cache, names[1], v, shape if one else (L, k.shape[1], H, D), dims)  # type: ignore[attr-defined]
+    shape = (L, H, D) if one else (L, n, H, D)
+    for name, t in zip(("k_vec", "v_vec") if one else ("k", "v"), (k, v)):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
+            raise ValueError(f"{name} must be a dense torch.Tensor, got "
+                             f"{f'layout {t.layout}' if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dim() != len(shape) or [g if d is None else d for d, g in zip(shape, t.shape)] != list(t.shape):
+            want = ", ".join("n" if d is None else str(d) for d in shape)
+            raise ValueError(f"{name} must have shape {dims} = [{want}], got {list(t.shape)}")
+        if t.dtype != cache.dtype or t.device != cache.pool.device:
+            raise ValueError(f"{name} must have dtype {cache.dtype} on device {cache.pool.device}, "
+                             f"got {t.dtype} on {t.device}")
+        if t.numel() and t.untyped_storage().data_ptr() in (cache.k.data_ptr(), cache.v.data_ptr()):
+            raise ValueError(f"{name} must not be a view of the cache's own pools (pass a .clone())")
+        shape = shape if one else (L, t.shape[1], H, D)  # v has as many tokens as k
     tokens = [as_int("token_id", tokens, minimum=0)] if one and tokens is not None else tokens
-    return token_ids(cache, names[2], tokens, 1 if one else k.shape[1])  # type: ignore
+    return token_ids(cache, "token_id" if one else "token_ids", tokens, 1 if one else k.shape[1])
 
 
 def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple[list, list, list | None]:
-    """Distinct live ``seq_ids``, one count >= 0 each, and ``sum(counts)`` token ids."""
     ids = live_ids(cache, seq_ids, distinct=True)
     if not isinstance(counts, (list, tuple)) or len(counts) != len(ids):
         raise ValueError(f"counts must be a list of {len(ids)} ints, one per sequence, got {counts!r}")
@@ -158,18 +132,16 @@ def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple
 
 def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
     seq(cache, seq_id)
-    m = cache.manager
-    if m.prefix_cache is not None:
+    if cache.prefix_cache is not None:
         raise ValueError("release_leading_blocks needs a cache without prefix caching "
                          "(enable_prefix_caching=False)")
-    if shared := [b for b in m.tables[seq_id] if m.ref_counts[b] > 1]:
+    if shared := [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]:
         raise ValueError(f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; "
                          f"blocks {shared} are shared (fork)")
-    return as_int("n", n, minimum=0, maximum=m.seq_lens[seq_id] // m.block_size)
+    return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)
 
 
 def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:
-    """An int in ``[lo, hi)``: ``ValueError`` if it is no int, ``IndexError`` if it is out of range."""
     i = as_int(name, i)
     if not lo <= i < hi:
         raise IndexError(f"{name} must be in [{lo}, {hi}){where}, got {i}")

@@ -1,11 +1,7 @@
-"""The block manager: which physical block holds which tokens of which sequence. Pure Python, no tensors.
-
-Like nano-vllm's ``BlockManager`` and vLLM's ``BlockPool``: a free stack (a list; its top, handed out next,
-is the last element: O(1) both ways), a reference count per block, a block table per sequence, the
-copy-on-write plan and the prefix-cache hooks (notebook 06). It trusts its arguments: ``PagedKVCache``
-checks them. ``reserve``, the write path, undoes itself whatever stops it, ``KeyboardInterrupt`` included.
-One thread at a time, like nano-vllm and vLLM: a caller that shares it between threads serialises the
-calls (one lock).
+"""The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``): free stack, reference counts,
+block tables, copy-on-write and the prefix-cache hooks, in pure Python. It trusts its arguments
+(``PagedKVCache`` checks them); ``reserve`` undoes itself whatever stops it, ``KeyboardInterrupt`` included.
+One thread at a time, like nano-vllm and vLLM: a caller that shares it between threads serialises the calls.
 """
 
 from __future__ import annotations
@@ -13,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 from pagedlib.core.prefix_cache import PrefixCache
-
-__all__ = ["BlockManager", "InvariantError", "OutOfBlocksError"]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -34,12 +28,8 @@ class InvariantError(AssertionError):
 
 
 class BlockManager:
-    """Free stack, reference counts and block tables of ``num_blocks`` blocks of ``block_size`` tokens.
-
-    Args:
-        free_order: blocks handed out first, in this order; the others follow in ascending order.
-        enable_prefix_caching: keep full blocks findable by their token ids (``prefix_cache``).
-    """
+    """Free stack, reference counts and block tables of ``num_blocks`` blocks of ``block_size`` tokens;
+    ``free_order`` lists the blocks handed out first, in order (the others follow in ascending order)."""
 
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
                  enable_prefix_caching: bool = False) -> None:
@@ -72,8 +62,8 @@ class BlockManager:
     def share(self, blocks: Sequence[int]) -> None:
         """One more table holds each of ``blocks`` (a fork, a prefix-cache hit)."""
         for b in blocks:
-            if self.ref_counts[b] == 0:  # a cached block found while free
-                self.prefix_cache.reuse(b)  # type: ignore[union-attr]
+            if self.ref_counts[b] == 0:  # a cached block found while free leaves the queue
+                self.prefix_cache.free_queue.pop(b, None)  # type: ignore[union-attr]
             self.ref_counts[b] += 1
 
     def release(self, blocks: Sequence[int]) -> list[int]:
@@ -121,8 +111,7 @@ class BlockManager:
         return self.release(self.tables.pop(seq_id))
 
     def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Give back the first ``n`` blocks (full, unshared) of a sequence: it then holds ``n * block_size``
-        tokens fewer, from its former block ``n`` on. Returns them."""
+        """Give back and return the first ``n`` blocks (full, unshared): ``n * block_size`` tokens less."""
         blocks = self.tables[seq_id][:n]
         del self.tables[seq_id][:n]
         self.seq_lens[seq_id] -= n * self.block_size
@@ -131,14 +120,9 @@ class BlockManager:
     def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int], token_ids: Sequence | None = None,
                 write: Callable[[list, list], None] | None = None) -> tuple[list[list[int]], list]:
         """One all-or-nothing append of ``counts[i]`` tokens to ``seq_ids[i]``: take the blocks, advance the
-        lengths, register full blocks by their ``token_ids`` (all new ids, in order; prefix caching).
-
-        Args:
-            write: ``write(slots, copies)`` (the K/V part) runs last; if it raises, everything is undone.
-        Returns:
-            the flat slot ids ``block * block_size + offset`` of the new tokens of each sequence, and the
-            ``(src, dst)`` block copies of copy-on-write, to make before the slots are written.
-        """
+        lengths, register full blocks by their ``token_ids`` (prefix caching), run ``write(slots, copies)``
+        (the K/V part); if anything raises, everything is undone. Returns each sequence's flat slot ids
+        ``block * block_size + offset`` and the ``(src, dst)`` copy-on-write block copies to make first."""
         bs, copy = self.block_size, self.copy_on_write(seq_ids, counts)
         need = sum(copy) + sum([-(-(self.seq_lens[s] + n) // bs) - len(self.tables[s])
                                 for s, n in zip(seq_ids, counts)])
@@ -169,10 +153,7 @@ class BlockManager:
                 self.release([table.pop()])
                 self.cow_copies += 1
             table += new
-            if n == 1:  # a decode step: the token lands in the last block
-                slots.append([table[-1] * bs + start % bs])
-            else:
-                slots.append([table[p // bs] * bs + p % bs for p in range(start, start + n)])
+            slots.append([table[p // bs] * bs + p % bs for p in range(start, start + n)])
             self.seq_lens[s] = start + n
             if pc is not None:
                 self.token_ids[s] += token_ids[t:t + n]  # type: ignore[index]
@@ -216,15 +197,8 @@ class BlockManager:
         return holders
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken invariant:
-
-        1. a block's reference count is the number of tables holding it (each table holds it at most once);
-        2. no held block is free, and every other block is free once (stack or prefix cache's queue);
-        3. every table and free entry is a valid block id;
-        4. a sequence of length ``n`` holds exactly ``ceil(n / block_size)`` blocks;
-        5. a shared block is the same logical block, equally filled, in every table holding it;
-        6. prefix caching: token ids match lengths, full blocks' keys hold their tokens, the queue is cached.
-        """
+        """Raise ``InvariantError`` naming the first broken invariant: 1 reference counts, 2 free blocks,
+        3 block ids, 4 table lengths (notebook 02), 5 shared blocks, 6 prefix caching (notebook 06)."""
         holders, bs = self.holders(), self.block_size
         for b, count in enumerate(self.ref_counts):
             if count != len(holders[b]):
@@ -266,7 +240,6 @@ class BlockManager:
 
 
 def _what(seq_ids: Sequence[Hashable], counts: Sequence[int]) -> str:
-    """What an ``OutOfBlocksError`` says the blocks were for."""
     if len(seq_ids) != 1:
         return f"a batch of {len(seq_ids)} sequences"
     return f"sequence {seq_ids[0]!r}" if counts[0] == 1 else f"{counts[0]} tokens of sequence {seq_ids[0]!r}"

@@ -1,9 +1,7 @@
-"""``PagedKVCache``, the paged KV cache of notebooks 02-08: a ``BlockManager`` (which block holds which
-tokens) beside a ``KVPool`` (the K/V tensors), every argument checked first (``_checks.py``): a call that
-raises changes nothing. An append stopped halfway (an interrupt, say) is undone too, except that cached
-blocks evicted for it come back as plain free blocks. Single-threaded, like nano-vllm's and vLLM's block
-managers: a caller that uses one cache from several threads serialises the calls (one lock around each).
-"""
+"""``PagedKVCache``, the paged KV cache of notebooks 02-08: a ``BlockManager`` beside a ``KVPool``, every
+argument checked first (``_checks.py``), so a call that raises changes nothing; an interrupted append is
+undone too (cached blocks evicted for it come back as plain free blocks). Single-threaded, like nano-vllm's
+and vLLM's block managers: a caller that uses one cache from several threads serialises the calls."""
 
 from __future__ import annotations
 
@@ -14,13 +12,11 @@ import torch
 
 from pagedlib.checks import as_int
 from pagedlib.core import _checks as checks
-from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError
-from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError
+from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
+from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError  # noqa: F401 (re-exported)
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
 
-__all__ = ["SUPPORTED_DTYPES", "InvariantError", "OutOfBlocksError", "PagedKVCache", "Slot",
-           "UnknownSequenceError"]
 _STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
 
 
@@ -39,8 +35,6 @@ class PagedKVCache:
         dtype, device: of both pools (a dtype of ``SUPPORTED_DTYPES``); K/V arguments must match exactly.
         free_order: blocks handed out first, in this order (``BlockManager``). fill: every slot's first value.
         enable_prefix_caching: find full blocks again by their token ids, which then come with every append.
-    State (read it, change it through the methods): ``k``, ``v`` (``KVPool``); ``free``, ``tables``,
-    ``seq_lens``, ``ref_counts``, ``cow_copies``, ``prefix_cache``, ``token_ids`` (``BlockManager``).
     """
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
@@ -53,7 +47,7 @@ class PagedKVCache:
         self.dtype: torch.dtype = dtype
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching)
         self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill)
-        m = self.manager  # the same objects, changed in place by the manager and the pool only
+        m = self.manager  # read these; only the manager and the pool change them (in place)
         self.free, self.tables, self.seq_lens, self.ref_counts = m.free, m.tables, m.seq_lens, m.ref_counts
         self.token_ids, self.prefix_cache = m.token_ids, m.prefix_cache
         self.k, self.v, self.device = self.pool.k, self.pool.v, self.pool.device
@@ -63,20 +57,18 @@ class PagedKVCache:
     num_used_blocks = property(lambda self: self.num_blocks - self.manager.num_free_blocks)
     num_tokens = property(lambda self: sum(self.manager.seq_lens.values()))
     num_allocated_slots = property(lambda self: sum(map(len, self.manager.tables.values())) * self.block_size)
-
-    # token slots used / allocated (1.0 when none is): 1 - utilization is the internal fragmentation
     utilization = property(lambda self: self.num_tokens / self.num_allocated_slots
-                           if self.num_allocated_slots else 1.0)
+                           if self.num_allocated_slots else 1.0)  # 1 - utilization: internal fragmentation
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""
-        checks.new_id(self, "seq_id", seq_id)
-        prompt = [] if prompt_token_ids is None else checks.token_list("prompt_token_ids", prompt_token_ids)
+        checks.seq(self, seq_id, new=True)
+        prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
         return self.manager.add_sequence(seq_id, prompt)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Checked ``BlockManager.fork``: parallel sampling, beam search (notebook 06)."""
-        checks.seq(self, parent_id), checks.new_id(self, "child_id", child_id)
+        checks.seq(self, parent_id), checks.seq(self, child_id, "child_id", new=True)
         self.manager.fork(parent_id, child_id)
 
     def append_tokens(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor,
@@ -224,7 +216,6 @@ class PagedKVCache:
 
 
 def _same(a: object, b: object) -> bool:
-    """``a == b``; for tensors: same dtype, shape and values, NaN equal to NaN."""
     if not isinstance(a, torch.Tensor):
         return a == b
     if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:

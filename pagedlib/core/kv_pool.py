@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KVPool"]
-
 
 class KVPool:
     """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history."""
@@ -23,9 +21,8 @@ class KVPool:
         self.layer_rows = torch.arange(num_layers, device=self.device)[:, None] * block_size  # [L, 1]
 
     def rows(self, slots: list[int]) -> torch.Tensor:
-        """int64 ``[num_layers * n]`` rows, layer-major, of slot ids ``slots`` in a pool viewed as
-        ``[num_blocks * num_layers * block_size, kv_heads, head_dim]``: (layer ``l``, slot) is row
-        ``(block * num_layers + l) * block_size + offset`` (the layer dim sits between block and offset)."""
+        """int64 ``[num_layers * n]`` rows of ``slots``, layer-major, in the pool flattened to ``[-1, H, D]``:
+        (layer ``l``, slot) is row ``(block * num_layers + l) * block_size + offset``."""
         step, bs = self.num_layers * self.block_size, self.block_size
         first = torch.tensor([s // bs * step + s % bs for s in slots], dtype=torch.long, device=self.device)
         return (first + self.layer_rows).view(-1)  # [L, 1] + [n] -> [L, n]
@@ -38,8 +35,7 @@ class KVPool:
         self.v.view(self.flat).index_copy_(0, rows, v.detach().reshape(self.flat))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair: copy-on-write, the only
-        K/V the cache ever copies."""
+        """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair (copy-on-write)."""
         if copies:
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             for pool in (self.k, self.v):
@@ -48,12 +44,10 @@ class KVPool:
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous copies of K and V at ``slots``: ``[num_layers, n, kv_heads, head_dim]`` each."""
         rows, out = self.rows(slots), (self.num_layers, len(slots), *self.flat[1:])
-        k, v = (pool.view(self.flat).index_select(0, rows).view(out) for pool in (self.k, self.v))
-        return k, v
+        return tuple(pool.view(self.flat).index_select(0, rows).view(out) for pool in (self.k, self.v))
 
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
-        """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, strided, no
-        copy: what attention and the kernels read."""
+        """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, no copy."""
         return self.k[:, l], self.v[:, l]
 
     def fill_except(self, used: list[int], value: float) -> None:

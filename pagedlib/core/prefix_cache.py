@@ -1,9 +1,6 @@
-"""Prefix caching (notebook 06), vLLM's automatic prefix caching: a block that becomes full is registered
-under a key made of the key of the block before it and its own token ids; a prompt that starts with the same
-tokens finds those blocks and attaches them instead of computing their K/V again. A registered block nobody
-holds keeps its content in ``free_queue`` until ``BlockManager.allocate`` evicts it, least recently used
-first, once the free stack is empty.
-"""
+"""Prefix caching (notebook 06), vLLM's automatic prefix caching: a full block is registered under a key made
+of its parent's key and its token ids, so a prompt that starts with the same tokens attaches it instead of
+computing its K/V again; a registered block nobody holds waits in ``free_queue`` until evicted (LRU)."""
 
 from __future__ import annotations
 
@@ -12,8 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedlib.checks import as_int
-
-__all__ = ["BlockKey", "PrefixCache"]
 
 
 class BlockKey:
@@ -33,8 +28,7 @@ class BlockKey:
     def __eq__(self, other: object) -> bool:
         a, b = self, other
         while a is not b:  # walk both prefixes back to a shared ancestor (usually at once: the same object)
-            if not (isinstance(a, BlockKey) and isinstance(b, BlockKey)) or (a.hash, a.tokens) != (b.hash,
-                                                                                                  b.tokens):
+            if not (isinstance(a, BlockKey) and isinstance(b, BlockKey) and a.tokens == b.tokens):
                 return False
             a, b = a.parent, b.parent
         return True
@@ -86,12 +80,10 @@ class PrefixCache:
 
     def is_cached(self, block: int) -> bool:
         """``block`` holds content that a lookup can find."""
-        key = self.keys.get(block)
-        return key is not None and self.blocks.get(key) == block
+        return self.blocks.get(self.keys.get(block)) == block
 
     def release(self, block: int) -> bool:
-        """Nobody holds ``block`` any more: if cached, it joins the back of ``free_queue`` (``True``); any
-        other block forgets its key."""
+        """Nobody holds ``block``: a cached one joins ``free_queue`` (``True``), another forgets its key."""
         if self.is_cached(block):
             self.free_queue[block] = None
             return True
@@ -100,12 +92,8 @@ class PrefixCache:
 
     def forget(self, block: int) -> None:
         """``block``'s content is gone (it was not cached, or a write into it was rolled back)."""
-        if (key := self.keys.pop(block, None)) is not None and self.blocks.get(key) == block:
+        if self.blocks.get(key := self.keys.pop(block, None)) == block:
             del self.blocks[key]
-
-    def reuse(self, block: int) -> None:
-        """A lookup attached ``block``: it leaves ``free_queue`` if it was there."""
-        self.free_queue.pop(block, None)
 
     def evict(self) -> int:
         """Take the least recently used block of ``free_queue`` for new content; it forgets its key."""

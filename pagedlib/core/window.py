@@ -1,7 +1,5 @@
-"""Sliding windows on the paged cache (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a
-block wholly before the window of a sequence's newest token is never seen again, so it goes back to the free
-stack and a sequence holds at most ``ceil(w / block_size) + 1`` blocks. ``seq_lens`` then counts the tokens
-still held; the caller keeps the number of positions released (for rotary embeddings, say)."""
+"""Sliding windows (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a block wholly before
+the window of a sequence's newest token is never seen again, so it goes back to the free stack."""
 
 from __future__ import annotations
 
@@ -9,8 +7,6 @@ from collections.abc import Hashable
 
 from pagedlib.checks import as_int
 from pagedlib.core.cache import PagedKVCache
-
-__all__ = ["release_outside_window"]
 
 
 def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -> int:
