@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlib import checks
-from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
+from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import paged_attention, paged_prefill_attention
 
 
@@ -230,7 +230,6 @@ class PagedLlama(nn.Module):
         holds: ``[batch, vocab_size]`` logits after each prompt's last token. ``OutOfBlocksError`` (nothing
         changed) if the pool cannot hold every prompt; if the forward pass fails, free the sequences."""
         seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
-        _check_room(cache, seq_ids, prompts)
         starts = [cache.seq_lens[s] for s in seq_ids]
         cache.reserve(seq_ids, [len(p) for p in prompts], [t for p in prompts for t in p])
         return self._forward(self._step(cache, seq_ids, starts, prompts, None), cache)
@@ -271,11 +270,3 @@ class PagedLlama(nn.Module):
             x = layer(x, rope, step, cache)
         last = torch.tensor([end - 1 for _, end in step.spans], device=x.device)       # [B]
         return self.lm_head(self.norm(x[last]))                                        # [B, vocab]
-
-
-def _check_room(cache: PagedKVCache, seq_ids: list[Hashable], prompts: list[list[int]]) -> None:
-    """``OutOfBlocksError`` before any append unless the free blocks hold every prompt."""
-    needed = sum(checks.ceil_div(cache.seq_lens[s] + len(p), cache.block_size) - len(cache.tables[s])
-                 for s, p in zip(seq_ids, prompts))
-    if needed > cache.num_free_blocks:
-        raise OutOfBlocksError(needed, cache.num_free_blocks, f"a prefill of {len(prompts)} prompts")

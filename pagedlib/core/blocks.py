@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
+from pagedlib.checks import ceil_div
 from pagedlib.core.prefix_cache import PrefixCache
 
 
@@ -124,7 +125,7 @@ class BlockManager:
         (the K/V part); if anything raises, everything is undone. Returns each sequence's flat slot ids
         ``block * block_size + offset`` and the ``(src, dst)`` copy-on-write block copies to make first."""
         bs, copy = self.block_size, self.copy_on_write(seq_ids, counts)
-        need = sum(copy) + sum([-(-(self.seq_lens[s] + n) // bs) - len(self.tables[s])
+        need = sum(copy) + sum([ceil_div(self.seq_lens[s] + n, bs) - len(self.tables[s])
                                 for s, n in zip(seq_ids, counts)])
         taken = self.allocate(need, _what(seq_ids, counts) if need > self.num_free_blocks else "")
         saved: list[tuple[int, int, int]] = []  # per sequence: blocks held, length, last block
@@ -145,7 +146,7 @@ class BlockManager:
         for s, n, c in zip(seq_ids, counts, copy):
             table, start = self.tables[s], self.seq_lens[s]
             saved.append((len(table), start, table[-1] if table else -1))
-            new = taken[used:used - (-(start + n) // bs) - len(table) + c]
+            new = taken[used:used + ceil_div(start + n, bs) - len(table) + c]
             used += len(new)
             if c:  # the shared last block: the other holders keep the original
                 refs.setdefault(table[-1], self.ref_counts[table[-1]])
@@ -215,9 +216,9 @@ class BlockManager:
         if lost := [b for b in range(self.num_blocks) if not holders[b] and b not in set(free)]:
             raise InvariantError(f"2: blocks {lost} are neither free nor held (leaked)")
         for s, n in self.seq_lens.items():
-            if len(self.tables[s]) != -(-n // bs):
+            if len(self.tables[s]) != ceil_div(n, bs):
                 raise InvariantError(f"4: sequence {s!r} of length {n} holds {len(self.tables[s])} blocks, "
-                                     f"expected ceil({n}/{bs}) = {-(-n // bs)}")
+                                     f"expected ceil({n}/{bs}) = {ceil_div(n, bs)}")
         for b, hs in enumerate(holders):
             if len({(i, min(bs, self.seq_lens[s] - i * bs)) for s, i in hs}) > 1:
                 raise InvariantError(f"5: shared block {b} differs between its holders {hs} (index, fill)")

@@ -79,7 +79,7 @@ class PagedKVCache:
         table = self.manager.tables[seq_id]
         held, last = len(table), table[-1] if table else -1
         self._append([seq_id], [k.shape[1]], k, v, ids)
-        return table[held - (table[held - 1] != last):] if held else list(table)
+        return table[held - 1:] if held and table[held - 1] != last else table[held:]  # last one copied?
 
     def append_token(self, seq_id: Hashable, k_vec: torch.Tensor, v_vec: torch.Tensor,
                      token_id: int | None = None) -> Slot:
@@ -109,7 +109,7 @@ class PagedKVCache:
         flat: list[int] = []
 
         def write(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
-            flat.extend(slots[0] if len(slots) == 1 else [x for t in slots for x in t])
+            flat.extend(x for t in slots for x in t)
             self.pool.copy_blocks(copies)
             self.pool.write(flat, k, v)
 
