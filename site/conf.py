@@ -1,0 +1,30 @@
+"""Sphinx configuration of the course website (``make site``; ``site/build.py`` stages the sources).
+
+The pages are the committed, executed notebooks: nothing is re-executed. Every script, stylesheet and font
+a page loads is served from the build (MathJax is vendored under ``_static/vendor``), so a page makes no
+request outside it."""
+
+project = "Paged attention, hands on"
+author = "the pagedlib authors"
+copyright = "2026, the pagedlib authors"
+
+extensions = ["myst_nb"]
+nb_execution_mode = "off"  # the notebooks are committed executed; CI re-runs them with nbval
+myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_heading_anchors = 3
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+html_theme = "sphinx_book_theme"
+html_title = project
+html_static_path = ["_static"]
+html_copy_source = False  # the .ipynb download link of each page is enough
+html_theme_options = {
+    "use_download_button": True,
+    "use_fullscreen_button": False,
+    "show_toc_level": 2,
+    "home_page_in_toc": True,
+}
+# Sphinx loads MathJax from a CDN by default; the vendored single-file SVG build needs no fonts or
+# extra components (the menu would offer ones it fetches, so it is off).
+mathjax_path = "vendor/mathjax-3.2.2/tex-svg.js"
+mathjax3_config = {"options": {"enableMenu": False}}
