@@ -2,12 +2,11 @@
 
 Every ``notebooks/[0-9]*.ipynb`` becomes a chapter, in file-name order, and a row of the landing page's
 chapter table (its title is the notebook's first ``# `` heading). The sources are staged in
-``build/site-src`` (the notebooks copied, never re-executed), then Sphinx writes HTML to ``OUT``
-(default ``build/site``); open ``OUT/index.html``. Both folders are git-ignored."""
+``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes HTML to ``OUT`` (default
+``build/site``, git-ignored like ``build/site-src``); open ``OUT/index.html``."""
 
 from __future__ import annotations
 
-import html
 import json
 import shutil
 import subprocess
@@ -57,7 +56,7 @@ def stage(src: Path) -> list[tuple[str, str]]:
 
 def chapter_table(chapters: list[tuple[str, str]]) -> str:
     """The landing page's chapter table and the (hidden) toctree that orders the pages."""
-    rows = [f"| {name[:2]} | [{html.escape(t.split('·', 1)[-1].strip())}]({name}.ipynb) |"
+    rows = [f"| {name[:2]} | [{t.split('·', 1)[-1].strip().replace('|', '&#124;')}]({name}.ipynb) |"
             for name, t in chapters]
     toc = "\n".join(name for name, _ in chapters)
     return "\n".join(["| # | chapter |", "|---|---|", *rows, "", "```{toctree}", ":hidden:",
@@ -65,7 +64,7 @@ def chapter_table(chapters: list[tuple[str, str]]) -> str:
 
 
 def main(out: Path) -> None:
-    src = ROOT / "build" / "site-src"
+    src = out.with_name(out.name + "-src")
     chapters = stage(src)
     index = src / "index.md"
     index.write_text(index.read_text().replace("{chapters}", chapter_table(chapters)))

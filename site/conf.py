@@ -17,13 +17,16 @@ exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 html_theme = "sphinx_book_theme"
 html_title = project
 html_static_path = ["_static"]
-html_copy_source = False  # the .ipynb download link of each page is enough
+# No copies of the sources: a reader gets the notebooks by cloning the repository (the landing page's
+# two commands), and the staged copies differ from the committed ones in their widget outputs.
+html_copy_source = False
 html_theme_options = {
-    "use_download_button": True,
+    "use_download_button": False,
     "use_fullscreen_button": False,
     "show_toc_level": 2,
     "home_page_in_toc": True,
 }
+html_context = {"default_mode": "light"}  # the outputs' inline styles (tracer, tables) suit a light page
 # Sphinx loads MathJax from a CDN by default; the vendored single-file SVG build needs no fonts or
 # extra components (the menu would offer ones it fetches, so it is off).
 mathjax_path = "vendor/mathjax-3.2.2/tex-svg.js"
