@@ -12,7 +12,7 @@ extensions = ["myst_nb"]
 nb_execution_mode = "off"  # the notebooks are committed executed; CI re-runs them with nbval
 myst_enable_extensions = ["dollarmath", "amsmath"]
 myst_heading_anchors = 3
-exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_static", "**.ipynb_checkpoints"]
 
 html_theme = "sphinx_book_theme"
 html_title = project
