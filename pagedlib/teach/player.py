@@ -1,9 +1,9 @@
 """Players: frames computed in Python, stepped in the page with no kernel (notebooks 03 and 06, the site).
 
-A ``Player`` is plain HTML and a few lines of inline script: every frame is in the page, the first one
+A ``Player`` is plain HTML and a few lines of inline script: every frame is in the page, one of them
 visible; the script wires a slider, Back, Play and Forward to show one frame at a time. The same output
 works on the static website and in JupyterLab. Where no script runs (a notebook JupyterLab does not trust
-yet, GitHub's renderer) the first frame still shows, the controls stay disabled and a note says why."""
+yet, GitHub's renderer) that one frame still shows, the controls stay disabled and a note says why."""
 
 from __future__ import annotations
 
