@@ -3,7 +3,7 @@
 A ``Player`` is plain HTML and a few lines of inline script: every frame is in the page, one of them
 visible; the script wires a slider, Back, Play and Forward to show one frame at a time. The same output
 works on the static website and in JupyterLab. Where no script runs (a notebook JupyterLab does not trust
-yet, GitHub's renderer) that one frame still shows, the controls stay disabled and a note says why."""
+yet) that one frame still shows, the controls stay disabled and a note says why."""
 
 from __future__ import annotations
 
