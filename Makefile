@@ -1,4 +1,5 @@
-# The course in two commands:  `make lab` opens it, `make test` checks every claim it makes.
+# The course in two commands:  `make lab` opens it, `make test` checks every claim it makes
+# (the website included: `make site` builds it alone).
 # Everything installs into .venv from requirements-lock.txt (exact pins); re-running a target
 # reinstalls only when the lock file or pyproject.toml changed.
 
@@ -17,11 +18,13 @@ export PYTHONHASHSEED := 0
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
-.PHONY: help install lab test lint unit notebooks execute bench clean
+.PHONY: help install lab test lint unit notebooks execute site bench clean
 
 help:
 	@echo "make lab       install (once) and open the course in JupyterLab"
-	@echo "make test      install (once), then ruff + unit tests + nbval on every notebook"
+	@echo "make test      install (once), then ruff + unit tests (the website's build and browser test too)"
+	@echo "               + nbval on every notebook"
+	@echo "make site      build the website from the executed notebooks into build/site/ (open index.html)"
 	@echo "make execute   re-run the notebooks in place on the CPU path (NB=notebooks/02_*.ipynb for one)"
 	@echo "make clean     remove the virtual environment and caches"
 
@@ -65,7 +68,12 @@ notebooks: $(STAMP)
 	@test "$(NOTEBOOKS)" = "$(NBVAL_NOTEBOOKS)" || echo "not Linux, no Triton: skipping notebook 05"
 	$(CPU_PATH) $(BIN)/python -m pytest $(NBVAL) $(NBVAL_NOTEBOOKS)
 
+# tests/test_site.py (in `unit`) builds the website with site/build.py and reads every page in Chromium.
 test: lint unit notebooks
+
+# Every notebooks/[0-9]*.ipynb becomes a page, as committed (nothing is re-executed).
+site: $(STAMP)
+	$(BIN)/python site/build.py build/site
 
 execute: $(STAMP)
 	$(CPU_PATH) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
@@ -73,6 +81,6 @@ execute: $(STAMP)
 		--ExecutePreprocessor.store_widget_state=False --ExecutePreprocessor.record_timing=False $(NB)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts build/site build/site-src
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	find notebooks -name .ipynb_checkpoints -type d -prune -exec rm -rf {} +

@@ -26,7 +26,7 @@ def _pins(path: Path) -> dict[str, str]:
 def test_lock_pins_every_package_the_course_imports():
     pins = _pins(ROOT / LOCK)
     for pkg in ("torch", "triton", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "nbval", "pytest",
-                "hypothesis", "ruff", "playwright"):
+                "hypothesis", "ruff", "playwright", "ipykernel", "sphinx", "myst-nb", "sphinx-book-theme"):
         assert pkg in pins, f"{pkg} is not pinned in {LOCK}"
     triton_line = next(line for line in (ROOT / LOCK).read_text().splitlines() if line.startswith("triton=="))
     assert "sys_platform == \"linux\"" in triton_line, "triton has Linux wheels only"
@@ -70,8 +70,24 @@ def test_pyproject_ranges_admit_the_pins():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = _pins(ROOT / LOCK)
-    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    extras = project["optional-dependencies"]
+    reqs = [Requirement(r) for r in project["dependencies"] + [r for group in extras.values() for r in group]]
     for req in reqs:
         name = req.name.lower()
         assert name in pins, f"{name} from pyproject.toml is missing from {LOCK}"
         assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} outside {req}"
+
+
+def test_importing_pagedlib_needs_no_jupyterlab_kernel_or_sphinx():
+    """JupyterLab, the kernel and the website's tools are extras: `make` installs them from the lock."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {Requirement(r).name.lower() for r in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    assert not core & {"jupyterlab", "ipykernel", "sphinx", "myst-nb"}, core
+    assert {Requirement(r).name for r in extras["lab"]} == {"jupyterlab", "ipykernel"}
+    assert {"sphinx", "myst-nb", "sphinx-book-theme"} <= {Requirement(r).name for r in extras["site"]}
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^site: \$\(STAMP\)\n\t\$\(BIN\)/python site/build\.py", makefile, re.M)

@@ -3,7 +3,7 @@ on them, and each error names its argument. Nothing here changes any state."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedlib.checks import as_int, ceil_div
@@ -78,3 +78,17 @@ def history_step(at: int, last: int) -> int:
     if not 0 <= at <= last:
         raise ValueError(f"no step {at} to go to: the history holds steps 0 to {last}")
     return at
+
+
+def frames(frames: object, labels: object, start: object,
+           interval_ms: object) -> tuple[list[str], list[str], int, int]:
+    """A player's frames (HTML strings, at least one), a label per frame, the first shown, Play's interval."""
+    if not isinstance(frames, Sequence) or isinstance(frames, str) or not frames \
+            or not all(isinstance(f, str) for f in frames):
+        raise ValueError("frames must be a non-empty sequence of HTML strings")
+    labels = [f"frame {k} of {len(frames) - 1}" for k in range(len(frames))] if labels is None else labels
+    if not isinstance(labels, Sequence) or isinstance(labels, str) or len(labels) != len(frames) \
+            or not all(isinstance(t, str) for t in labels):
+        raise ValueError(f"labels must be a sequence of strings, one per frame ({len(frames)})")
+    return (list(frames), list(labels), as_int("start", start, minimum=0, maximum=len(frames) - 1),
+            as_int("interval_ms", interval_ms, minimum=50))

@@ -211,6 +211,12 @@ class BlockTableTracer:
         """The current view as an HTML string (what the widget shows, without its controls)."""
         return self.view.value
 
+    def frames(self) -> list[str]:
+        """The view of every step of the history, first to last (what Back and Forward show; for a
+        ``Player``, which steps through them with no kernel)."""
+        return [render_html(s.cache, selected=s.selected, lookup=s.lookup, copied=s.copied, log=s.log)
+                for s in self._history]
+
     def _start(self) -> None:
         """A new cache and a history holding one step, the empty pool."""
         num_blocks, block_size = self._geometry

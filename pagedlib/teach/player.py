@@ -1,0 +1,96 @@
+"""Players: frames computed in Python, stepped in the page with no kernel (notebooks 03 and 06, the site).
+
+A ``Player`` is plain HTML and a few lines of inline script: every frame is in the page, one of them
+visible; the script wires a slider, Back, Play and Forward to show one frame at a time. The same output
+works on the static website and in JupyterLab. Where no script runs (a notebook JupyterLab does not trust
+yet) that one frame still shows, the controls stay disabled and a note says why."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pagedlib.teach import _checks
+
+if TYPE_CHECKING:
+    from pagedlib.teach.tracer import BlockTableTracer
+
+_BAR = "display:flex;gap:6px;align-items:center;flex-wrap:wrap;font:13px system-ui,sans-serif;margin:4px 0"
+_BUTTON = "padding:2px 10px;border:1px solid #888;border-radius:4px;background:#F4F6FA;cursor:pointer"
+_NOTE = "font:12px system-ui,sans-serif;color:#8A5A00;background:#FFF6DB;padding:3px 8px;border-radius:4px"
+_STATIC = ("Showing one frame only: the controls need this output's script, which JupyterLab runs "
+           "once it trusts the notebook (run this cell, or Trust Notebook from the command palette).")
+# One player per output: the script finds its own root (the element around it) and needs no id.
+_SCRIPT = """<script>(function (root) {
+  var frames = root.querySelectorAll(".pl-frame"), slider = root.querySelector(".pl-slider"),
+      label = root.querySelector(".pl-label"), labels = LABELS,
+      back = root.querySelector(".pl-back"), play = root.querySelector(".pl-play"),
+      forward = root.querySelector(".pl-forward"), last = frames.length - 1, timer = null;
+  function show(k) {
+    k = Math.max(0, Math.min(last, k));
+    frames.forEach(function (f, i) { f.style.display = i === k ? "" : "none"; });
+    slider.value = k; label.textContent = labels[k];
+    back.disabled = k === 0; forward.disabled = k === last;
+  }
+  function pause() { clearInterval(timer); timer = null; play.textContent = "\\u25B6 Play"; }
+  function tick() { if (+slider.value >= last) { pause(); } else { show(+slider.value + 1); } }
+  back.onclick = function () { pause(); show(+slider.value - 1); };
+  forward.onclick = function () { pause(); show(+slider.value + 1); };
+  slider.oninput = function () { pause(); show(+slider.value); };
+  play.onclick = function () {
+    if (timer) { pause(); return; }
+    if (+slider.value >= last) { show(0); }
+    play.textContent = "\\u275A\\u275A Pause"; timer = setInterval(tick, INTERVAL);
+  };
+  slider.disabled = play.disabled = false; root.querySelector(".pl-static").remove(); show(START);
+})(document.currentScript.parentNode);</script>"""
+
+
+class Player:
+    """Step through ``frames`` (HTML strings) with a slider, Back, Play and Forward, in the page.
+
+    Args:
+        frames: the HTML of each frame, first to last.
+        labels: the text shown beside the slider for each frame (default ``frame k of n``).
+        start: the frame shown first, and the only one where no script runs.
+        interval_ms: the time between two frames while playing.
+    """
+
+    def __init__(self, frames: Sequence[str], labels: Sequence[str] | None = None, *, start: int = 0,
+                 interval_ms: int = 900) -> None:
+        self.frames, self.labels, self.start, self.interval_ms = _checks.frames(frames, labels, start,
+                                                                                interval_ms)
+
+    @classmethod
+    def of_tracer(cls, tracer: BlockTableTracer, *, start: int = 0, interval_ms: int = 900) -> Player:
+        """A player of every step of ``tracer``'s history (what its Back and Forward buttons show)."""
+        frames = tracer.frames()
+        return cls(frames, [f"step {k} of {len(frames) - 1}" for k in range(len(frames))], start=start,
+                   interval_ms=interval_ms)
+
+    def html(self) -> str:
+        """The player as one self-contained HTML string (frame ``start`` visible without the script)."""
+        last, start = len(self.frames) - 1, self.start
+        buttons = "".join(f"<button type='button' class='pl-{cls}' style='{_BUTTON}' disabled>{text}</button>"
+                          for cls, text in (("back", "&#9664; Back"), ("play", "&#9654; Play"),
+                                            ("forward", "Forward &#9654;")))
+        bar = (f"<div style='{_BAR}'>{buttons}<input type='range' class='pl-slider' min='0' max='{last}' "
+               f"value='{start}' step='1' style='width:220px' disabled aria-label='frame'>"
+               f"<span class='pl-label'>{html.escape(self.labels[start])}</span>"
+               f"<span class='pl-static' style='{_NOTE}'>{_STATIC}</span></div>")
+        hidden = " style='display:none'"
+        frames = "".join(f"<div class='pl-frame'{hidden * (k != start)}>{f}</div>"
+                         for k, f in enumerate(self.frames))
+        labels = json.dumps(self.labels).replace("</", "<\\/")  # inside <script>: never a closing tag
+        script = _SCRIPT.replace("INTERVAL", str(self.interval_ms)).replace("START", str(start))
+        script = script.replace("LABELS", labels)
+        return f"<div class='pl-player'>{bar}{frames}{script}</div>"
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+    def __repr__(self) -> str:
+        return f"Player({len(self.frames)} frames)"
+

@@ -1,0 +1,298 @@
+"""The course website (``make site``): built from the committed notebooks, then read like a reader would.
+
+The module builds the site once into a temporary folder with ``site/build.py`` (what ``make site`` runs),
+checks every internal link and fragment in the HTML, then serves the folder on 127.0.0.1 and opens every
+page in headless Chromium (the setup of ``test_browser.py``): no console error, no failed request, no
+request that leaves the local server (each is aborted and reported), every image decoded with a nonzero
+size, the math typeset, search answering, and the tracer players of notebooks 03 and 06 stepping through
+their frames with no kernel. A screenshot of each page is saved under ``test-artifacts/site/``.
+The ``Player`` itself (pure HTML) and the tracer's ``frames`` are checked without a browser first."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from test_browser import CHROMIUM, CHROMIUM_FLAGS, _require_browser
+
+from pagedlib.teach.player import Player
+from pagedlib.teach.tracer import SCENARIO, BlockTableTracer
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "test-artifacts" / "site"
+CHAPTERS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9]*.ipynb"))
+
+
+# --- the player and the tracer's frames, no browser -------------------------------------------------
+
+def test_tracer_frames_are_the_views_back_and_forward_show():
+    tracer = BlockTableTracer()
+    tracer.play_to(len(SCENARIO))
+    frames = tracer.frames()
+    assert len(frames) == len(SCENARIO) + 1
+    for k in range(len(SCENARIO), -1, -1):  # Back from the last step to the empty pool
+        assert frames[k] == tracer.html(), f"frame {k} differs from the view at step {k}"
+        if k:
+            tracer.back()
+    assert tracer.frames() == frames, "walking the history must not change it"
+    assert "Scenario ready" in frames[0] and f"Scenario step {len(SCENARIO)}/" in frames[-1]
+
+
+def test_player_shows_its_start_frame_without_script_and_the_rest_hidden():
+    player = Player(["<b>zero</b>", "<b>one</b>", "<b>two</b>"], ["a", "b", "c"], start=1)
+    page = player.html()
+    assert re.findall(r"<div class='pl-frame'( style='display:none')?>", page) == [
+        " style='display:none'", "", " style='display:none'"]
+    bar = page[:page.index("<div class='pl-frame'")]
+    assert bar.count(" disabled") == 4, "the controls stay disabled until the script runs"
+    assert "<span class='pl-label'>b</span>" in page and '["a", "b", "c"]' in page
+    assert repr(player) == "Player(3 frames)" and player._repr_html_() == page
+    assert Player(["x"]).labels == ["frame 0 of 0"]
+    label = Player(["x"], ["</script><script>alert(1)"]).html()
+    assert label.count("</script>") == 1, "a label cannot close the player's script"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"frames": []}, "frames must be a non-empty sequence of HTML strings"),
+    ({"frames": "<b>x</b>"}, "frames must be a non-empty sequence"),
+    ({"frames": [1, 2]}, "frames must be a non-empty sequence"),
+    ({"frames": ["a"], "labels": ["a", "b"]}, "labels must be a sequence of strings, one per frame (1)"),
+    ({"frames": ["a"], "labels": "a"}, "labels must be a sequence of strings"),
+    ({"frames": ["a", "b"], "start": 2}, "start must be <= 1, got 2"),
+    ({"frames": ["a"], "start": True}, "start must be an int, got a bool"),
+    ({"frames": ["a"], "interval_ms": 0}, "interval_ms must be >= 50, got 0"),
+])
+def test_player_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Player(**kwargs)
+
+
+# --- the built site --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built by ``site/build.py`` from the committed notebooks (~15 s)."""
+    out = tmp_path_factory.mktemp("site") / "html"
+    subprocess.run([sys.executable, str(ROOT / "site" / "build.py"), str(out)], check=True, cwd=ROOT)
+    return out
+
+
+class _Links(HTMLParser):
+    """Every ``href``/``src`` of a page and every ``id`` it defines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if name in ("href", "src") and value:
+                self.refs.append(value)
+            if name == "id" and value:
+                self.ids.add(value)
+
+
+def _parse(path: Path) -> _Links:
+    parser = _Links()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return parser
+
+
+def test_every_notebook_is_a_chapter_with_its_title_in_the_table(site):
+    index = (site / "index.html").read_text(encoding="utf-8")
+    for name in CHAPTERS:
+        assert (site / f"{name}.html").is_file(), f"no page for {name}"
+        nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+        title = next(line[2:] for c in nb["cells"] for line in "".join(c["source"]).splitlines()
+                     if c["cell_type"] == "markdown" and line.startswith("# "))
+        heading = re.escape(title.split("·", 1)[-1].strip().replace("&", "&amp;"))
+        row = rf'href="{name}.html"[^>]*>(<span[^>]*>)?{heading}<'
+        assert re.search(row, index), f"{name} missing from the chapter table"
+
+
+def test_every_internal_link_and_fragment_resolves(site):
+    pages = {p: _parse(p) for p in site.glob("*.html")}  # the pages (_static holds theme templates)
+    checked = 0
+    for page, links in pages.items():
+        for ref in links.refs:
+            parts = urlsplit(ref)
+            if parts.scheme or parts.netloc or ref.startswith(("mailto:", "javascript:")):
+                continue  # a link out (GitHub, a paper) is followed by the reader, never loaded by the page
+            target = (page.parent / unquote(parts.path)).resolve() if parts.path else page
+            assert target.is_file(), f"{page.relative_to(site)} links to a missing {ref}"
+            if parts.fragment and target.suffix == ".html":
+                ids = pages[target].ids if target in pages else _parse(target).ids
+                where = page.relative_to(site)
+                assert unquote(parts.fragment) in ids, f"{where}: no #{parts.fragment} in {ref}"
+            checked += 1
+    assert checked > 100
+
+
+# --- the site in a browser -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(site: Path) -> Iterator[str]:
+    """The built site on a local HTTP server (a thread of this process); yields its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+def _open(browser, base: str, path: str):
+    """A new page at ``base + path`` that records console errors, failed requests and outside requests
+    (those are aborted, so nothing leaves the machine); returns the page and the list of problems."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"failed request: {r.url} ({r.failure})"))
+    page.on("response", lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"))
+
+    def route(r):
+        if r.request.url.startswith(base) or r.request.url.startswith("data:"):
+            return r.continue_()
+        problems.append(f"request outside the site: {r.request.url}")
+        return r.abort()
+
+    page.route("**/*", route)
+    page.goto(base + path, wait_until="load")
+    return page, problems
+
+
+_IMAGES = """async () => Promise.all([...document.images].map(async (img) => {
+  img.loading = "eager";
+  try { await img.decode(); } catch (e) { return [img.src, 0, 0]; }
+  return [img.src, img.naturalWidth, img.naturalHeight];
+}))"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("path", ["index.html", *(f"{name}.html" for name in CHAPTERS)])
+def test_page_loads_everything_from_the_site_and_shows_its_images(browser, server, path):
+    page, problems = _open(browser, server, path)
+    try:
+        images = page.evaluate(_IMAGES)
+        assert all(w > 0 and h > 0 for _, w, h in images), f"images not decoded: {images}"
+        if path != "index.html":
+            figures, math = _figures_and_math(path.removesuffix(".html"))
+            assert len(images) >= figures, f"{len(images)} images shown, the notebook has {figures} figures"
+            page.locator(".prev-next-area a").first.wait_for()  # previous/next navigation
+            if math:
+                page.locator("mjx-container svg").first.wait_for()  # MathJax typeset the formulas
+        page.wait_for_load_state("networkidle")
+        assert not problems, "\n".join(problems)
+    finally:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / path.replace(".html", ".png")))
+        page.close()
+
+
+@pytest.mark.browser
+def test_search_finds_a_chapter(browser, server):
+    page, problems = _open(browser, server, "search.html?q=copy-on-write")
+    try:
+        results = page.locator("#search-results a")
+        results.first.wait_for()
+        assert any("06_sharing_blocks" in (a or "") for a in results.evaluate_all("l => l.map(a => a.href)"))
+        assert not problems, "\n".join(problems)
+    finally:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "search.png"))
+        page.close()
+
+
+@pytest.mark.browser
+def test_scenario_player_of_notebook_03_steps_with_no_kernel(browser, server):
+    from playwright.sync_api import expect
+
+    page, problems = _open(browser, server, "03_block_table_tracing.html")
+    try:
+        player = page.locator(".pl-player").first
+        label, shown = player.locator(".pl-label"), player.locator(".pl-frame:visible")
+        expect(label).to_have_text(f"step 0 of {len(SCENARIO)}")
+        expect(player.locator(".pl-static")).to_have_count(0)  # the script ran: no "one frame only" note
+        expect(shown).to_have_count(1)
+        expect(shown).to_contain_text("Scenario ready")
+        player.locator(".pl-forward").click()
+        expect(label).to_have_text(f"step 1 of {len(SCENARIO)}")
+        expect(shown).to_contain_text(f"Scenario step 1/{len(SCENARIO)}: {SCENARIO[0][3]}")
+        player.locator(".pl-slider").fill("11")  # seq 1 finishes: its blocks go back on the stack
+        expect(label).to_have_text(f"step 11 of {len(SCENARIO)}")
+        expect(shown.locator("[data-role='log']")).to_contain_text("Freed seq 1")
+        player.locator(".pl-play").click()  # one frame every 900 ms
+        expect(label).to_have_text(f"step 12 of {len(SCENARIO)}", timeout=5_000)
+        player.locator(".pl-play").click()  # pause
+        player.locator(".pl-back").click()
+        expect(label).to_have_text(re.compile(rf"step 1[12] of {len(SCENARIO)}"))
+        player.scroll_into_view_if_needed()
+        player.screenshot(path=str(_shots() / "03_player.png"))
+        assert not problems, "\n".join(problems)
+    finally:
+        page.close()
+
+
+@pytest.mark.browser
+def test_sharing_player_of_notebook_06_opens_on_the_copy_and_steps_back_to_the_fork(browser, server):
+    from playwright.sync_api import expect
+
+    page, problems = _open(browser, server, "06_sharing_blocks.html")
+    try:
+        player = page.locator(".pl-player").first
+        label, shown = player.locator(".pl-label"), player.locator(".pl-frame:visible")
+        expect(label).to_have_text("step 3 of 3")
+        expect(shown.locator("[data-block='7']")).to_contain_text("copy of 2")
+        expect(player.locator(".pl-forward")).to_be_disabled()
+        player.locator(".pl-back").click()
+        expect(label).to_have_text("step 2 of 3")
+        expect(shown.locator("[data-role='log']")).to_contain_text("Forked seq 0 into seq 1")
+        expect(shown.locator("[data-block='2'] .pt-refs")).to_have_text("2 refs")
+        player.scroll_into_view_if_needed()
+        player.screenshot(path=str(_shots() / "06_player.png"))
+        assert not problems, "\n".join(problems)
+    finally:
+        page.close()
+
+
+def _figures_and_math(name: str) -> tuple[int, bool]:
+    """How many PNG figures a notebook's outputs hold, and whether its markdown has display math."""
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    figures = sum("image/png" in o.get("data", {}) for c in cells for o in c.get("outputs", []))
+    return figures, any("$$" in "".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+def _shots() -> Path:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    return SHOTS
