@@ -198,3 +198,54 @@ def test_the_kernel_refuses_what_it_cannot_run():
         paged_attention_varlen_triton(q, *args[1:])
     with torch.no_grad():
         assert torch.isfinite(paged_attention_varlen_triton(q, *args[1:])).all()
+
+
+def test_attention_benchmark_times_mixed_steps(tmp_path):
+    import json
+
+    from pagedlib.bench.__main__ import main
+
+    path = tmp_path / "attention.json"
+    argv = ["attention", "--batch", "3", "--context", "24", "--q-heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--block-size", "4", "--chunks", "5,24", "--no-sweeps", "--repeats", "2",
+            "--json", str(path)]
+    assert main(argv) == 0
+    mixed = json.loads(path.read_text())["mixed"]
+    assert [(r["impl"], r["chunk"]) for r in mixed] == [(i, c) for c in (5, 24) for i in
+                                                         ("varlen", "split", "contiguous")]
+    for r in mixed:  # GB/s: every cached token once; speedup: contiguous time / time, at the same chunk
+        base = next(b for b in mixed if b["impl"] == "contiguous" and b["chunk"] == r["chunk"])
+        assert r["speedup vs SDPA (x faster)"] == pytest.approx(base["ms"] / r["ms"])
+        assert r["GB/s"] == pytest.approx(2 * 3 * 24 * 2 * 16 * 4 / (r["ms"] / 1e3) / 1e9)
+
+
+def test_attention_benchmark_refuses_a_chunk_longer_than_the_context(capsys):
+    from pagedlib.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["attention", "--context", "64", "--chunks", "8,65"])
+    assert exit_info.value.code == 2
+    assert "each chunk must be <= --context (64), got 65" in capsys.readouterr().err
+
+
+def test_gpu_benchmark_varlen_parts_on_tiny_cpu_tensors():
+    """The unified kernel's correctness phase and prefill table, with a stand-in timer."""
+    from pagedlib.bench import gpu
+
+    checks = gpu.varlen_correctness(DEVICE, [(torch.float16, 64, 4, 2, [(9, 1), (0, 6), (5, 7)]),
+                                             (torch.bfloat16, 80, 8, 1, [(3, 1)])])
+    assert len(checks) == 2 and all(c["ok"] for c in checks), checks
+
+    def cpu_timer(calls, inner, repeats, graph=True):
+        assert all(torch.isfinite(c()).all() for c in calls)
+        return (2e-3 if graph else 1e-3), "cpu stand-in"
+
+    shape = gpu.Shape(batch=2, context=12, q_heads=4, kv_heads=2, head_dim=16, block_size=4)
+    pool = gpu.Pool(0.0002, shape, device=DEVICE)
+    rows = gpu.prefill_rows(shape, pool, torch.Generator(device=DEVICE).manual_seed(0), timer=cpu_timer)
+    assert [r["method"] for r in rows] == list(gpu.PREFILL_METHODS)
+    by = {r["method"]: r for r in rows}
+    assert by["triton varlen"]["tokens/s"] == pytest.approx(24 / 2e-3)
+    assert by["torch varlen"][gpu.SPEEDUP] == pytest.approx(2.0)  # eager 1 ms vs graph 2 ms
+    md = gpu.markdown_report([], {"device_name": "x"}, 1.0, checks, rows)
+    assert "## Prefill" in md and md.count("\n| 2 | 12 |") == len(gpu.PREFILL_METHODS)
