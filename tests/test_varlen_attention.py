@@ -249,3 +249,25 @@ def test_gpu_benchmark_varlen_parts_on_tiny_cpu_tensors():
     assert by["torch varlen"][gpu.SPEEDUP] == pytest.approx(2.0)  # eager 1 ms vs graph 2 ms
     md = gpu.markdown_report([], {"device_name": "x"}, 1.0, checks, rows)
     assert "## Prefill" in md and md.count("\n| 2 | 12 |") == len(gpu.PREFILL_METHODS)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["heads outside slots", "padded head_dim"])
+def test_caches_of_any_strides_give_the_same_result(impl, layout):
+    """The torch path reads a pool as rows of head_dim values when its strides allow (any order of the
+    block, slot and head dimensions) and indexes it element-wise otherwise; the kernel takes any strides."""
+    cache, args = varlen_case([6, 0, 9], [1, 5, 3], block_size=4, head_dim=16)
+    q, k_cache, v_cache, *rest = args
+
+    def relayout(x: torch.Tensor) -> torch.Tensor:
+        if layout == "heads outside slots":                    # [num_blocks, kv_heads, block_size, D] memory
+            return x.transpose(1, 2).contiguous().transpose(1, 2)
+        wide = torch.full((*x.shape[:3], 17), float("nan"), dtype=x.dtype, device=x.device)
+        wide[..., :16] = x
+        return wide[..., :16]                                   # strides 17k: not rows of head_dim values
+
+    moved = (q, relayout(k_cache), relayout(v_cache), *rest)
+    assert moved[1].stride() != k_cache.stride()
+    out = IMPLS[impl](*moved)
+    torch.testing.assert_close(out, IMPLS[impl](*args), **TOLERANCES[q.dtype])
+    check(out, cache, args)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedlib.checks import ceil_div
 from pagedlib.kernels._checks import check_varlen_inputs
-from pagedlib.kernels.attention import _gather, softmax_scale
+from pagedlib.kernels.attention import softmax_scale
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,61 +39,69 @@ def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """``paged_attention_varlen`` on checked inputs, ``seq_lens`` and ``query_start_loc`` also given as the
     lists ``lens`` and ``starts`` (a caller that checked once per step calls this once per layer).
 
-    The decodes (one new token each) share one batched call; each longer chunk gets one SDPA call."""
-    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode) == len(lens):                    # a pure decode step: q's rows are the sequences
-        return decode_rows(q, k_cache, v_cache, block_tables, seq_lens, lens, scale)
+    Two groups, one ``attend_padded`` call each: the decodes (one new token), and the prompts and chunks
+    (padding a decode to a chunk's length would multiply its work)."""
+    new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
+    groups = [g for g in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1])
+              if g]
+    if len(groups) == 1:                                                       # one kind only: q as it is
+        return attend_padded(q, k_cache, v_cache, block_tables, seq_lens, lens, new, scale)
     out = torch.empty_like(q)                                                  # [T, q_heads, D]
-    if decode == list(range(len(decode))):          # decodes first, as a scheduler orders them: slices
-        rows = ids = slice(0, len(decode))
-    else:
-        rows = torch.tensor([starts[b] for b in decode], device=q.device)      # [n_decode] rows of q
-        ids = torch.tensor(decode, device=q.device)                            # [n_decode] sequences
-    if decode:
-        out[rows] = decode_rows(q[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
-                                [lens[b] for b in decode], scale)
-    for b in (b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1):
-        sl = slice(starts[b], starts[b + 1])
-        out[sl] = causal_chunk(q[sl], k_cache, v_cache, block_tables[b], lens[b], scale)
+    for g in groups:
+        if g == list(range(g[0], g[-1] + 1)):      # consecutive sequences (decodes first, as vLLM orders a
+            ids, rows = slice(g[0], g[-1] + 1), slice(starts[g[0]], starts[g[-1] + 1])  # step): views
+        else:
+            ids = torch.tensor(g, device=q.device)
+            rows = torch.tensor([r for b in g for r in range(starts[b], starts[b + 1])], device=q.device)
+        out[rows] = attend_padded(q[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
+                                  [lens[b] for b in g], [new[b] for b in g], scale)
     return out
 
 
-def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                seq_lens: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
-    """One query token per sequence (checked inputs, ``lens`` is ``seq_lens`` as a list): ``q`` ``[c,
-    q_heads, head_dim]`` -> the same, through one block gather and one SDPA call for all ``c``."""
-    (c, q_heads, head_dim), bs, kv_heads, n = q.shape, k_cache.shape[1], k_cache.shape[2], max(lens)
-    n_blocks = ceil_div(n, bs)
-    # whole blocks, one index_select each for K and V; table entries past a sequence's last block (-1
-    # padding) become block 0, gathered like the others, then masked
-    used = torch.arange(n_blocks, device=q.device) * bs < seq_lens[:, None]      # [c, n_blocks]
-    ids = torch.where(used, tables[:, :n_blocks], 0).long()                      # [c, n_blocks]
-    k, v = _gather(k_cache, ids, n), _gather(v_cache, ids, n)                    # [c, n, kv_heads, D]
-    mask = None
-    if min(lens) < n:  # zero the slots past each length in the copy: a NaN key would poison its score
-        mask = torch.arange(n, device=q.device) < seq_lens[:, None]             # [c, n]
-        k, v = (x.masked_fill_(~mask[:, :, None, None], 0.0) for x in (k, v))
-        mask = mask[:, None, None]                                               # [c, 1, 1, n]
-    qg = q.reshape(c, kv_heads, q_heads // kv_heads, head_dim)    # a GQA group's heads are query rows
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                       scale=scale)                              # [c, kv_heads, group, D]
-    return o.reshape(c, q_heads, head_dim)
+def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  seq_lens: torch.Tensor, lens: list[int], new: list[int], scale: float) -> torch.Tensor:
+    """``c`` sequences, each padded to the longest, in one gather and one SDPA call (checked inputs): ``q``
+    ``[T, q_heads, head_dim]`` holds each sequence's ``new[b]`` tokens in turn; returns the same shape."""
+    (T, q_heads, head_dim), bs, c, n, m = q.shape, k_cache.shape[1], len(lens), max(lens), max(new)
+    dev = q.device
+    # keys: positions past a length repeat the sequence's last token, so padding reads a stored token
+    # (never an unused slot, which may hold NaN) and the mask gives it weight 0
+    pos = torch.minimum(torch.arange(n, device=dev), seq_lens[:, None] - 1)    # [c, n]
+    block, slot = tables.gather(1, pos // bs).long(), pos % bs                  # [c, n] each
+    k, v = gather_tokens(k_cache, block, slot), gather_tokens(v_cache, block, slot)  # [c, kv_heads, n, D]
+    # queries: [c, m, ...], sequence b's tokens first in its row, then zeros
+    if min(new) == m:                                                           # no padding: a view
+        seq = j = None
+        qp = q.view(c, m, q_heads, head_dim)
+    else:
+        new_t = torch.tensor(new, device=dev)                                   # [c]
+        seq = torch.repeat_interleave(torch.arange(c, device=dev), new_t)       # [T] each row's sequence
+        j = torch.arange(T, device=dev) - (new_t.cumsum(0) - new_t)[seq]        # [T] its index there
+        qp = q.new_zeros(c, m, q_heads, head_dim)
+        qp[seq, j] = q
+    # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it
+    q_pos = (seq_lens - torch.tensor(new, device=dev))[:, None] + torch.arange(m, device=dev)  # [c, m]
+    mask = (torch.arange(n, device=dev) <= q_pos[:, :, None])[:, None]         # [c, 1, m, n]
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=True).transpose(1, 2)         # [c, m, q_heads, D]
+    return o.reshape(T, q_heads, head_dim) if seq is None else o[seq, j]
 
 
-def causal_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                 seq_len: int, scale: float) -> torch.Tensor:
-    """The last ``n`` positions of one sequence of ``seq_len`` tokens (checked inputs): ``q`` ``[n, q_heads,
-    head_dim]`` -> the same; query ``i`` sits at position ``seq_len - n + i`` and sees keys up to there."""
-    n = q.shape[0]
-    ids = table[None, : ceil_div(seq_len, k_cache.shape[1])].long()           # [1, n_blocks]
-    # only the seq_len stored tokens are gathered: no unused slot (NaN) reaches SDPA
-    k = _gather(k_cache, ids, seq_len).transpose(1, 2)                        # [1, kv_heads, seq_len, D]
-    v = _gather(v_cache, ids, seq_len).transpose(1, 2)
-    pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]       # [n, 1] query positions
-    mask = None if n == seq_len else torch.arange(seq_len, device=q.device) <= pos  # [n, seq_len]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
-                                       scale=scale, enable_gqa=True)          # [1, q_heads, n, D]
-    return o[0].transpose(0, 1)                                               # [n, q_heads, D]
+def gather_tokens(cache: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``cache[block, slot]`` for a pool ``[num_blocks, block_size, kv_heads, head_dim]`` and int64 ``block``,
+    ``slot`` ``[c, n]``, as ``[c, kv_heads, n, head_dim]``: a contiguous copy in SDPA's layout."""
+    kv_heads, head_dim = cache.shape[2:]
+    heads = torch.arange(kv_heads, device=cache.device)[:, None]             # [kv_heads, 1]
+    strides = cache.stride()
+    if strides[3] != 1 or any(s % head_dim for s in strides[:3]):           # an unusual view: index it
+        return cache[block[:, None], slot[:, None], heads]
+    # the pool as a table of head_dim-long rows (a view, no copy), read with one index_select: (block,
+    # slot, head) is row (block * stride0 + slot * stride1 + head * stride2) / head_dim
+    last = sum((size - 1) * s for size, s in zip(cache.shape[:3], strides[:3])) // head_dim
+    rows = cache.as_strided((last + 1, head_dim), (head_dim, 1), cache.storage_offset())
+    s0, s1, s2 = (s // head_dim for s in strides[:3])
+    index = (block * s0 + slot * s1)[:, None, :] + heads * s2                # [c, kv_heads, n]
+    return rows.index_select(0, index.reshape(-1)).view(*index.shape, head_dim)
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
