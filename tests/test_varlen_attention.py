@@ -271,3 +271,14 @@ def test_caches_of_any_strides_give_the_same_result(impl, layout):
     out = IMPLS[impl](*moved)
     torch.testing.assert_close(out, IMPLS[impl](*args), **TOLERANCES[q.dtype])
     check(out, cache, args)
+
+
+def test_a_step_cut_into_one_call_per_sequence_gives_the_same_result(monkeypatch):
+    from pagedlib.kernels import varlen
+
+    cache, args = varlen_case([9, 4, 0, 20, 3], [6, 1, 3, 1, 1], block_size=4)
+    whole = paged_attention_varlen(*args)
+    monkeypatch.setattr(varlen, "CHUNK_BYTES", 0)  # every padded copy over budget: one sequence per call
+    out = paged_attention_varlen(*args)
+    torch.testing.assert_close(out, whole, **TOLERANCES[out.dtype])
+    check(out, cache, args)

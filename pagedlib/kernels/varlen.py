@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedlib.kernels._checks import check_varlen_inputs
-from pagedlib.kernels.attention import softmax_scale
+from pagedlib.kernels.attention import default_chunk_bytes, plan_chunks, softmax_scale
+
+CHUNK_BYTES = 16 * 2**20  # bound on one call's padded K+V copy (at least; 64 MiB off the CPU)
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -39,15 +41,19 @@ def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """``paged_attention_varlen`` on checked inputs, ``seq_lens`` and ``query_start_loc`` also given as the
     lists ``lens`` and ``starts`` (a caller that checked once per step calls this once per layer).
 
-    Two groups, one ``attend_padded`` call each: the decodes (one new token), and the prompts and chunks
-    (padding a decode to a chunk's length would multiply its work)."""
+    Two groups: the decodes (one new token), and the prompts and chunks (padding a decode to a chunk's
+    length would multiply its work); each in pieces of consecutive sequences whose padded K/V copy stays
+    within ``CHUNK_BYTES`` (``plan_chunks``), one ``attend_padded`` call per piece."""
     new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
-    groups = [g for g in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1])
-              if g]
-    if len(groups) == 1:                                                       # one kind only: q as it is
+    bs, per_token = k_cache.shape[1], 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    budget, pieces = max(CHUNK_BYTES, default_chunk_bytes(q.device)), []
+    for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
+        chunks = plan_chunks([lens[b] for b in group], bs, per_token, budget)
+        pieces += [group[r.start:r.stop] for r in chunks]
+    if len(pieces) == 1:                                                       # one call: q as it is
         return attend_padded(q, k_cache, v_cache, block_tables, seq_lens, lens, new, scale)
     out = torch.empty_like(q)                                                  # [T, q_heads, D]
-    for g in groups:
+    for g in pieces:
         if g == list(range(g[0], g[-1] + 1)):      # consecutive sequences (decodes first, as vLLM orders a
             ids, rows = slice(g[0], g[-1] + 1), slice(starts[g[0]], starts[g[-1] + 1])  # step): views
         else:
@@ -79,11 +85,12 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         j = torch.arange(T, device=dev) - (new_t.cumsum(0) - new_t)[seq]        # [T] its index there
         qp = q.new_zeros(c, m, q_heads, head_dim)
         qp[seq, j] = q
-    # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it
+    # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
+    # of one length are SDPA's own causal case (which skips the masked half of the work)
     q_pos = (seq_lens - torch.tensor(new, device=dev))[:, None] + torch.arange(m, device=dev)  # [c, m]
-    mask = (torch.arange(n, device=dev) <= q_pos[:, :, None])[:, None]         # [c, 1, m, n]
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-                                       enable_gqa=True).transpose(1, 2)         # [c, m, q_heads, D]
+    mask = None if min(new) == n else (torch.arange(n, device=dev) <= q_pos[:, :, None])[:, None]  # [c,1,m,n]
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
     return o.reshape(T, q_heads, head_dim) if seq is None else o[seq, j]
 
 
