@@ -254,8 +254,7 @@ def test_gpu_benchmark_varlen_parts_on_tiny_cpu_tensors():
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", ["heads outside slots", "padded head_dim"])
 def test_caches_of_any_strides_give_the_same_result(impl, layout):
-    """The torch path reads a pool as rows of head_dim values when its strides allow (any order of the
-    block, slot and head dimensions) and indexes it element-wise otherwise; the kernel takes any strides."""
+    """Both read pools of any strides: a memory layout with heads outside slots, a padded head_dim."""
     cache, args = varlen_case([6, 0, 9], [1, 5, 3], block_size=4, head_dim=16)
     q, k_cache, v_cache, *rest = args
 
@@ -264,7 +263,7 @@ def test_caches_of_any_strides_give_the_same_result(impl, layout):
             return x.transpose(1, 2).contiguous().transpose(1, 2)
         wide = torch.full((*x.shape[:3], 17), float("nan"), dtype=x.dtype, device=x.device)
         wide[..., :16] = x
-        return wide[..., :16]                                   # strides 17k: not rows of head_dim values
+        return wide[..., :16]                                   # strides 17k
 
     moved = (q, relayout(k_cache), relayout(v_cache), *rest)
     assert moved[1].stride() != k_cache.stride()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedlib.checks import ceil_div
 from pagedlib.kernels._checks import check_varlen_inputs
 from pagedlib.kernels.attention import default_chunk_bytes, plan_chunks, softmax_scale
 
@@ -68,17 +69,13 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_lens: torch.Tensor, lens: list[int], new: list[int], scale: float) -> torch.Tensor:
     """``c`` sequences, each padded to the longest, in one gather and one SDPA call (checked inputs): ``q``
     ``[T, q_heads, head_dim]`` holds each sequence's ``new[b]`` tokens in turn; returns the same shape."""
-    (T, q_heads, head_dim), bs, c, n, m = q.shape, k_cache.shape[1], len(lens), max(lens), max(new)
+    (T, q_heads, head_dim), c, n, m = q.shape, len(lens), max(lens), max(new)
     dev = q.device
-    # keys: positions past a length repeat the sequence's last token, so padding reads a stored token
-    # (never an unused slot, which may hold NaN) and the mask gives it weight 0
-    pos = torch.minimum(torch.arange(n, device=dev), seq_lens[:, None] - 1)    # [c, n]
-    block, slot = tables.gather(1, pos // bs).long(), pos % bs                  # [c, n] each
-    k, v = gather_tokens(k_cache, block, slot), gather_tokens(v_cache, block, slot)  # [c, kv_heads, n, D]
+    k, v = (gather_padded(x, tables, seq_lens, n) for x in (k_cache, v_cache))  # [c, kv_heads, n, D]
     # queries: [c, m, ...], sequence b's tokens first in its row, then zeros
     if min(new) == m:                                                           # no padding: a view
         seq = j = None
-        qp = q.view(c, m, q_heads, head_dim)
+        qp = q.reshape(c, m, q_heads, head_dim)
     else:
         new_t = torch.tensor(new, device=dev)                                   # [c]
         seq = torch.repeat_interleave(torch.arange(c, device=dev), new_t)       # [T] each row's sequence
@@ -94,21 +91,20 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return o.reshape(T, q_heads, head_dim) if seq is None else o[seq, j]
 
 
-def gather_tokens(cache: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """``cache[block, slot]`` for a pool ``[num_blocks, block_size, kv_heads, head_dim]`` and int64 ``block``,
-    ``slot`` ``[c, n]``, as ``[c, kv_heads, n, head_dim]``: a contiguous copy in SDPA's layout."""
-    kv_heads, head_dim = cache.shape[2:]
-    heads = torch.arange(kv_heads, device=cache.device)[:, None]             # [kv_heads, 1]
-    strides = cache.stride()
-    if strides[3] != 1 or any(s % head_dim for s in strides[:3]):           # an unusual view: index it
-        return cache[block[:, None], slot[:, None], heads]
-    # the pool as a table of head_dim-long rows (a view, no copy), read with one index_select: (block,
-    # slot, head) is row (block * stride0 + slot * stride1 + head * stride2) / head_dim
-    last = sum((size - 1) * s for size, s in zip(cache.shape[:3], strides[:3])) // head_dim
-    rows = cache.as_strided((last + 1, head_dim), (head_dim, 1), cache.storage_offset())
-    s0, s1, s2 = (s // head_dim for s in strides[:3])
-    index = (block * s0 + slot * s1)[:, None, :] + heads * s2                # [c, kv_heads, n]
-    return rows.index_select(0, index.reshape(-1)).view(*index.shape, head_dim)
+def gather_padded(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions ``0..n-1`` of ``c`` sequences of a pool ``[num_blocks, block_size, kv_heads, head_dim]``
+    (``tables`` ``[c, max_blocks]``, ``seq_lens`` ``[c]``): a copy, viewed as ``[c, kv_heads, n, head_dim]``
+    for SDPA (a contiguous one measured no faster here), zero at and past each sequence's length (no NaN of
+    an unused slot survives)."""
+    c, (bs, kv_heads, head_dim) = tables.shape[0], cache.shape[1:]
+    n_blocks = ceil_div(n, bs)
+    # whole blocks in one index_select; table entries past a sequence's last block (-1) read block 0
+    used = torch.arange(n_blocks, device=cache.device) * bs < seq_lens[:, None]       # [c, n_blocks]
+    ids = torch.where(used, tables[:, :n_blocks], 0).long()                          # [c, n_blocks]
+    x = cache.index_select(0, ids.reshape(-1)).view(c * n_blocks * bs, kv_heads * head_dim)  # token rows
+    unused = torch.arange(n_blocks * bs, device=cache.device) >= seq_lens[:, None]   # [c, n_blocks * bs]
+    x.index_fill_(0, unused.reshape(-1).nonzero().squeeze(1), 0.0)
+    return x.view(c, n_blocks * bs, kv_heads, head_dim)[:, :n].transpose(1, 2)
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
