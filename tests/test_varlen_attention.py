@@ -171,6 +171,7 @@ def _bad_inputs():
         ("seq_lens int64", with_(4, lambda a: a[4].long()), "seq_lens must be an int32 tensor"),
         ("bad block id", with_(3, lambda a: a[3].masked_fill(a[3] >= 0, 999)), "is not a block id"),
         ("k dtype", with_(1, lambda a: a[1].double()), "k_cache must have q's dtype"),
+        ("fp8 v", with_(2, lambda a: a[2].to(torch.float8_e5m2)), "v_cache must have q's dtype"),
         ("v shape", with_(2, lambda a: a[2][:, :2]), "v_cache must have k_cache's shape"),
         ("heads", with_(0, lambda a: a[0][:, :3]), "q_heads (3) must be a multiple of the cache's kv_heads"),
     ]
