@@ -282,3 +282,12 @@ def test_a_step_cut_into_one_call_per_sequence_gives_the_same_result(monkeypatch
     out = paged_attention_varlen(*args)
     torch.testing.assert_close(out, whole, **TOLERANCES[out.dtype])
     check(out, cache, args)
+
+
+@pytest.mark.parametrize("group,block_q", [(16, 4), (8, 8)])
+def test_chunks_longer_than_a_query_block_span_several_programs(group, block_q):
+    from pagedlib.kernels.triton_varlen import varlen_config
+
+    assert varlen_config(16, group, decode=False)["BLOCK_Q"] == block_q
+    cache, args = varlen_case([5, 0, 9, 2], [13, 1, 2 * block_q, 9], block_size=4, kv_heads=1, group=group)
+    check(paged_attention_varlen_triton(*args), cache, args)
