@@ -146,6 +146,9 @@ def check_triton(q, k_cache, v_cache, num_splits, compiled: bool) -> int | None:
                          f"got {block_size}")
     if compiled and q.device.type != "cuda":
         raise ValueError(f"q must be a CUDA tensor for the compiled kernel, got device {q.device}")
+    refuse((compiled and k_cache.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(q.device)
+            < (8, 9), "a float8_e4m3fn cache needs compute capability 8.9+ for the Triton kernel (Triton has "
+                      "no e4m3 below it); use float8_e5m2"))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise ValueError("q, k_cache and v_cache must not require grad: the Triton kernel has no backward "
                          "pass (call it under torch.no_grad(), or pass detached tensors)")
