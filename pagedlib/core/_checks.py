@@ -130,9 +130,9 @@ def appended(cache, k: object, v: object, tokens: object, n: int | None = None,
         if t.dim() != len(shape) or [g if d is None else d for d, g in zip(shape, t.shape)] != list(t.shape):
             want = ", ".join("n" if d is None else str(d) for d in shape)
             raise ValueError(f"{name} must have shape {dims} = [{want}], got {list(t.shape)}")
-        fp8_ok = cache.dtype in FP8_DTYPES and t.dtype in KV_INPUT_DTYPES  # quantized on write
-        if (t.dtype != cache.dtype and not fp8_ok) or t.device != cache.pool.device:
-            want = "float32, float16 or bfloat16" if cache.dtype in FP8_DTYPES else cache.dtype
+        fp8 = cache.dtype in FP8_DTYPES  # takes fp32/fp16/bf16 values and quantizes them on write
+        if (t.dtype not in KV_INPUT_DTYPES if fp8 else t.dtype != cache.dtype) or t.device != cache.device:
+            want = "float32, float16 or bfloat16" if fp8 else cache.dtype
             raise ValueError(f"{name} must have dtype {want} on device {cache.pool.device}, "
                              f"got {t.dtype} on {t.device}")
         if t.numel() and t.untyped_storage().data_ptr() in (cache.k.data_ptr(), cache.v.data_ptr()):
