@@ -27,6 +27,7 @@ from pagedlib.kernels.attention import (
     paged_attention_oracle,
     paged_prefill_attention,
     rel_error,
+    sliding_window_attention,
 )
 
 E4M3, E5M2 = FP8_DTYPES
@@ -151,6 +152,9 @@ def test_torch_paths_match_the_oracle_on_the_dequantized_cache(fmt, per_head, qd
     k32, v32 = float32_copy(cache)
     plain = paged_attention(q.float(), k32, v32, tables, lens)
     torch.testing.assert_close(out.float(), plain, **TOLERANCES[qdtype])
+    windowed = sliding_window_attention(q, k, v, tables, lens, 7, **scales)           # a window of 7
+    plain_window = sliding_window_attention(q.float(), k32, v32, tables, lens, 7)
+    torch.testing.assert_close(windowed.float(), plain_window, **TOLERANCES[qdtype])
     # prefill dequantizes into q's dtype: exactly attention over a cache of that dtype holding those values
     qs = q[:1].expand(33, -1, -1).contiguous()                                     # [33, q_heads, D]
     pre = paged_prefill_attention(qs, k, v, tables[1], 33, **scales)

@@ -228,10 +228,13 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.devi
 
 def sliding_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int,
-                             scale: float | None = None) -> torch.Tensor:
+                             scale: float | None = None, *, k_scale: float | torch.Tensor = 1.0,
+                             v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """One decode step in which each sequence's newest token sees only its last ``window`` positions;
     ``paged_attention``'s arguments, the tables and lengths describing the blocks and tokens still held
     (``attend_chunk`` masks the positions before the window as it masks those past the length)."""
     head_dim = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)[3]
     window, scale = as_int("window", window, minimum=1), softmax_scale(head_dim, scale)
-    return attend_chunk(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale, window)
+    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
+    return attend_chunk(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale, window,
+                        k_scale, v_scale)
