@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedlib.core.fp8 import FP8_DTYPES
+
 #: model_type -> the transformers class ``PagedLlama.from_hf`` loads: each proven token-equal by a test
 SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # config fields that change the computation, and the one value PagedLlama implements
@@ -93,7 +95,8 @@ def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], att
     check_attention(attention)
     check_model_dtype(model.dtype)
     s = model.shape
-    got = (cache.num_layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
+    dtype = model.dtype if cache.dtype in FP8_DTYPES else cache.dtype  # fp8: quantized on write
+    got = (cache.num_layers, cache.kv_heads, cache.head_dim, dtype, cache.device)
     want = (s.num_layers, s.num_kv_heads, s.head_dim, model.dtype, model.device)
     seq_ids, prompts = list(seq_ids), [[t] for t in prompts] if decode else prompts
     refuse((got != want, f"cache (layers, kv_heads, head_dim, dtype, device) = {got} does not match the "
@@ -106,6 +109,12 @@ def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], att
     if missing := [sid for sid in seq_ids if sid not in cache.seq_lens]:
         raise KeyError(f"sequence {missing[0]!r} is not in the cache (add_sequence it first)")
     return seq_ids, prompts
+
+
+def check_kv_cache_dtype(dtype: object) -> torch.dtype | None:
+    refuse((dtype is not None and dtype not in FP8_DTYPES, f"kv_cache_dtype must be None (the model's dtype) "
+                                                          f"or one of {FP8_DTYPES}, got {dtype!r}"))
+    return dtype
 
 
 def check_attention(attention: object, block_size: int = 1) -> None:

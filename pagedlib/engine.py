@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
 from pagedlib.checks import as_int, check_engine, check_generate, token_list
 from pagedlib.core.scheduler import Request, Scheduler, StepPlan
 from pagedlib.model import PagedLlama, decode_kernel
@@ -56,12 +58,14 @@ class Engine:
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16, attention: str = "torch",
-                 enable_prefix_caching: bool = False, *, max_num_seqs: int = 256) -> None:
+                 enable_prefix_caching: bool = False, *, max_num_seqs: int = 256,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         num_blocks, block_size, self.max_num_seqs = check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
         decode_kernel(attention, model.shape.head_dim)       # refuses a head size the kernel cannot take
         self.model, self.attention = model, attention
-        self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                     kv_cache_dtype=kv_cache_dtype)  # an fp8 dtype: notebook 10
         self.watermark_blocks = int(WATERMARK * num_blocks)       # the scheduler's rounding
         self.scheduler = self._new_scheduler()
         self.tokens: dict[int, list[int]] = {}     # request id -> prompt + generated tokens
@@ -191,7 +195,8 @@ class Engine:
         for seq_id in list(self.cache.seq_lens):
             self.cache.free_sequence(seq_id)
         if (c := self.cache).prefix_cache is not None:
-            self.cache = self.model.new_cache(c.num_blocks, c.block_size, enable_prefix_caching=True)
+            self.cache = self.model.new_cache(c.num_blocks, c.block_size, enable_prefix_caching=True,
+                                              kv_cache_dtype=None if c.dtype == self.model.dtype else c.dtype)
         self.scheduler = self._new_scheduler()
         self.tokens.clear()
         self.prompt_lens.clear()

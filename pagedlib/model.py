@@ -131,13 +131,17 @@ class Attention(nn.Module):
         k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), *rope)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                     # [T, Hkv, D]
         k_pool, v_pool = cache.layer(self.layer)                       # [num_blocks, block_size, Hkv, D]
+        k, v = cache.pool.encode(k, v)                                 # fp8: quantized (notebook 10)
         k_pool[step.blocks, step.offsets] = k                          # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
+        scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
         if step.decode_attention is not None:
-            out = step.decode_attention(q, k_pool, v_pool, step.block_tables, step.seq_lens)  # [B, Hq, D]
+            out = step.decode_attention(q, k_pool, v_pool, step.block_tables, step.seq_lens,
+                                        **scales)                                      # [B, Hq, D]
         else:
             lens = step.seq_lens.tolist()
-            out = torch.cat([paged_prefill_attention(q[a:b], k_pool, v_pool, step.block_tables[i], lens[i])
+            out = torch.cat([paged_prefill_attention(q[a:b], k_pool, v_pool, step.block_tables[i], lens[i],
+                                                     **scales)
                              for i, (a, b) in enumerate(step.spans)])                  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -217,11 +221,13 @@ class PagedLlama(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, num_blocks: int, block_size: int = 16, *,
-                  enable_prefix_caching: bool = False) -> PagedKVCache:
-        """An empty ``PagedKVCache`` with this model's geometry, dtype and device."""
-        s = self.shape
+                  enable_prefix_caching: bool = False,
+                  kv_cache_dtype: torch.dtype | None = None) -> PagedKVCache:
+        """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
+        1.0) and device."""
+        s, dtype = self.shape, checks.check_kv_cache_dtype(kv_cache_dtype) or self.dtype
         return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
-                            dtype=self.dtype, device=self.device, enable_prefix_caching=enable_prefix_caching)
+                            dtype=dtype, device=self.device, enable_prefix_caching=enable_prefix_caching)
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],

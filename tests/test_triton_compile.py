@@ -36,6 +36,10 @@ DECODE = [
     ("float16", 80, 128, 5, False),
 ]
 ARCHS = (80, 90)
+# fp8 caches: (query dtype, cache dtype, split) per arch; Triton has no e4m3 (fp8e4nv) below sm_89
+FP8 = {90: [("float16", "float8_e4m3fn", False), ("bfloat16", "float8_e5m2", True),
+            ("float32", "float8_e4m3fn", False)],
+       80: [("float16", "float8_e5m2", False), ("float32", "float8_e5m2", True)]}
 # merge kernel: (head_dim, num_splits, output dtype = q's dtype); real launches store fp16/bf16
 MERGE = ((128, 33, "float16"), (80, 2, "bfloat16"), (96, 5, "float32"))
 
@@ -46,6 +50,8 @@ def compiled() -> dict[tuple, dict]:
              for a in ARCHS for d, hd, bs, g, s in DECODE]
     specs += [{"arch": a, "kernel": "merge", "head_dim": hd, "num_splits": n, "dtype": d}
               for a in ARCHS for hd, n, d in MERGE]
+    specs += [{"arch": a, "dtype": d, "kv_dtype": kv, "head_dim": 128, "block_size": 16, "group": 4,
+               "split": s} for a, cases in FP8.items() for d, kv, s in cases]
     results = compile_for_gpu_many(specs)
     return {tuple(sorted((k, v) for k, v in r.items() if k in spec)): r for r, spec in zip(results, specs)}
 
@@ -172,3 +178,28 @@ def test_varlen_kernel_compiles(compiled_varlen, arch, dtype, head_dim, block_si
         t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx or \
             re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{t}\.{t}", ptx)
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_cache_compiles_with_the_conversion_each_target_has(compiled, arch):
+    """sm_90 converts two fp8 values to two fp16 in one ``cvt.rn.f16x2.e4m3x2`` (``e5m2x2``); sm_80 has no
+    fp8 instruction, and Triton builds each fp16 from an e5m2 byte with a byte permute (``prmt.b32``)."""
+    for dtype, kv, split in FP8[arch]:
+        r = _get(compiled, arch=arch, dtype=dtype, kv_dtype=kv, head_dim=128, block_size=16, group=4,
+                 split=split)
+        ops = [i.split()[0] for i in ptx_instructions(r["ptx"])]
+        fmt = kv.removeprefix("float8_").removesuffix("fn")
+        if arch == 90:
+            assert f"cvt.rn.f16x2.{fmt}x2" in ops
+        else:
+            assert "prmt.b32" in ops and not any(".e4m3" in o or ".e5m2" in o for o in ops)
+        assert "cvt.f32.f16" in ops  # then fp32, where the scale multiplies
+        if dtype != "float32":  # the dots still run on fp16/bf16 tensor cores
+            t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+            assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ops
+
+
+def test_e4m3_cache_is_refused_by_triton_on_sm80():
+    spec = {"arch": 80, "dtype": "float16", "kv_dtype": "float8_e4m3fn", "head_dim": 64, "block_size": 16,
+            "group": 1, "split": False}
+    with pytest.raises(RuntimeError, match="fp8e4nv not supported in this architecture"):
+        compile_for_gpu_many([spec])

@@ -13,8 +13,9 @@ time over the method's in the same run (``speedup vs engine``: above 1 is faster
 memory: ``kv_alloc_MB`` is what the method set aside for K/V (the block pools of the engine and of
 generate_batch; the padded contiguous cache of ``hf_generate``), ``kv_peak_MB`` what held tokens at the
 fullest moment (the engine's blocks in use; all of ``hf_generate``'s padded cache; blank for
-generate_batch, which does not report its blocks in use). ``same_tokens`` compares each method's tokens
-with ``hf_generate`` one prompt at a time.
+generate_batch, which does not report its blocks in use). ``--kv-cache-dtype fp8_e4m3`` gives the engine
+an fp8 cache (1 byte per element; its tokens may then differ from the reference's). ``same_tokens``
+compares each method's tokens with ``hf_generate`` one prompt at a time.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speed
            "kv_alloc_MB", "kv_peak_MB", "same_tokens"]
 
 
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # vLLM's names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, default in [("--num-requests", 32), ("--min-prompt", 8), ("--max-prompt", 128),
                           ("--max-new-tokens", 64), ("--hidden", 256), ("--layers", 4), ("--heads", 8),
                           ("--kv-heads", 4), ("--intermediate", 512), ("--vocab", 512), ("--block-size", 16)]:
         p.add_argument(flag, type=positive_int, default=default, help="(default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
+                   help="the engine's cache: auto (the model's dtype) or fp8, quantized on write")
     p.add_argument("--seed", type=int, default=0)
     add_run_arguments(p, repeats=3, repeats_help="timed runs per method (the best counts)")
     p.set_defaults(usage_error=p.error)  # for check_flags: combinations are usage errors too
@@ -104,9 +110,10 @@ def run_engine(model: Any, hf: Any, prompts: list[list[int]], args: argparse.Nam
     from pagedlib.engine import Engine
 
     blocks = pool_blocks(prompts, args.max_new_tokens, args.block_size)
-    engine = Engine(model, num_blocks=blocks, block_size=args.block_size, attention=attention)
+    engine = Engine(model, num_blocks=blocks, block_size=args.block_size, attention=attention,
+                    kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype))
     out = engine.generate(prompts, args.max_new_tokens, progress=False)
-    per_block = kv_bytes_per_token(hf) * args.block_size
+    per_block = kv_bytes_per_token(hf) * args.block_size * engine.cache.k.element_size() // hf.dtype.itemsize
     return out, {"kv_alloc_MB": blocks * per_block / 1e6,
                  "kv_peak_MB": engine.stats.peak_blocks * per_block / 1e6}
 
@@ -187,7 +194,8 @@ def _run(args: argparse.Namespace) -> int:
                      "same_tokens": "yes" if tokens == want else "NO"})
     for row in rows:
         row["speedup vs engine"] = speedup(rows[0]["seconds"], row["seconds"])
-    title = (f"greedy generation on {device}, {args.dtype}: {len(prompts)} prompts of {args.min_prompt}-"
+    title = (f"greedy generation on {device}, {args.dtype} (engine cache: {args.kv_cache_dtype}): "
+             f"{len(prompts)} prompts of {args.min_prompt}-"
              f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
              f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}")
     print_table(rows, COLUMNS, title=title)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from pagedlib.checks import as_int
+from pagedlib.checks import as_int, refuse
+from pagedlib.core.fp8 import FP8_DTYPES
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: for oracles
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *FP8_DTYPES)  # f64: oracles
+KV_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 cache quantizes
 BOOKKEEPING_BYTES_PER_BLOCK = 100  # Python per block: free-stack entry, reference count (measured peak)
 MAX_CACHE_BYTES = 2**37  # a larger cache (pools + bookkeeping) is a typo: 128 GiB, about one H200's memory
 
@@ -54,6 +57,21 @@ def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, f
                          f"K and V pools {list(sizes)} and {book:,} bytes of bookkeeping, more than the "
                          f"{MAX_CACHE_BYTES / 2**30:.0f} GiB a cache may hold")
     return sizes, order
+
+
+def scales(k_scale: object, v_scale: object, dtype: torch.dtype, kv_heads: int, device: object) -> tuple:
+    """``(k_scale, v_scale)``: floats, or float32 ``[kv_heads]`` tensors on ``device``; only fp8 has them."""
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        refuse((s is not None and dtype not in FP8_DTYPES, f"{name} needs a float8 dtype, got dtype {dtype}"))
+        ok = isinstance(s, (type(None), torch.Tensor, numbers.Real)) and not isinstance(s, bool)
+        t = torch.as_tensor(1.0 if s is None else s, dtype=torch.float64).detach().cpu() if ok else None
+        ok = ok and t.dim() <= 1 and t.numel() == (kv_heads if t.dim() else 1) and bool(
+            ((t > 0) & t.isfinite()).all())
+        refuse((not ok, f"{name} must be None, a finite number > 0 or a tensor of kv_heads={kv_heads} of "
+                        f"them, got {s!r}"))
+        out.append(float(t) if t.dim() == 0 else t.to(torch.float32).to(device))
+    return tuple(out)
 
 
 def seq(cache, seq_id: Hashable, name: str = "seq_id", new: bool = False) -> None:
@@ -112,8 +130,10 @@ def appended(cache, k: object, v: object, tokens: object, n: int | None = None,
         if t.dim() != len(shape) or [g if d is None else d for d, g in zip(shape, t.shape)] != list(t.shape):
             want = ", ".join("n" if d is None else str(d) for d in shape)
             raise ValueError(f"{name} must have shape {dims} = [{want}], got {list(t.shape)}")
-        if t.dtype != cache.dtype or t.device != cache.pool.device:
-            raise ValueError(f"{name} must have dtype {cache.dtype} on device {cache.pool.device}, "
+        fp8 = cache.dtype in FP8_DTYPES  # takes fp32/fp16/bf16 values and quantizes them on write
+        if (t.dtype not in KV_INPUT_DTYPES if fp8 else t.dtype != cache.dtype) or t.device != cache.device:
+            want = "float32, float16 or bfloat16" if fp8 else cache.dtype
+            raise ValueError(f"{name} must have dtype {want} on device {cache.pool.device}, "
                              f"got {t.dtype} on {t.device}")
         if t.numel() and t.untyped_storage().data_ptr() in (cache.k.data_ptr(), cache.v.data_ptr()):
             raise ValueError(f"{name} must not be a view of the cache's own pools (pass a .clone())")

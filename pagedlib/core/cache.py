@@ -32,7 +32,9 @@ class PagedKVCache:
     ``tables[s][p // block_size]`` at offset ``p % block_size``, for every layer at once.
 
     Args:
-        dtype, device: of both pools (a dtype of ``SUPPORTED_DTYPES``); K/V arguments must match exactly.
+        dtype, device: of both pools (a dtype of ``SUPPORTED_DTYPES``); K/V arguments must match exactly,
+            except that an fp8 cache takes fp32/fp16/bf16 K/V and stores them quantized (notebook 10).
+        k_scale, v_scale: an fp8 cache's scales, a float or ``[kv_heads]`` (``None``: 1.0, vLLM's default).
         free_order: blocks handed out first, in this order (``BlockManager``). fill: every slot's first value.
         enable_prefix_caching: find full blocks again by their token ids, which then come with every append.
     """
@@ -40,13 +42,16 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  free_order: Sequence[int] | None = None, fill: float = 0.0,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, k_scale: float | torch.Tensor | None = None,
+                 v_scale: float | torch.Tensor | None = None) -> None:
         sizes, order = checks.new_cache((num_blocks, num_layers, block_size, kv_heads, head_dim), dtype,
                                         device, free_order, fill, enable_prefix_caching)
+        self.k_scale, self.v_scale = checks.scales(k_scale, v_scale, dtype, sizes[3], device)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
         self.dtype: torch.dtype = dtype
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching)
-        self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill)
+        self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
+                           v_scale=self.v_scale)
         m = self.manager  # read these; only the manager and the pool change them (in place)
         self.free, self.tables, self.seq_lens, self.ref_counts = m.free, m.tables, m.seq_lens, m.ref_counts
         self.token_ids, self.prefix_cache = m.token_ids, m.prefix_cache

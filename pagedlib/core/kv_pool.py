@@ -7,18 +7,29 @@ from __future__ import annotations
 
 import torch
 
+from pagedlib.core.fp8 import FP8_DTYPES, quantize
+
 
 class KVPool:
-    """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history."""
+    """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history; an fp8
+    pool stores ``x / k_scale`` (``v_scale``), saturated (``fp8.quantize``)."""
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str, fill: float = 0.0) -> None:
+                 dtype: torch.dtype, device: torch.device | str, fill: float = 0.0,
+                 k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:
         shape = (num_blocks, num_layers, block_size, kv_heads, head_dim)
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
         self.v = torch.full(shape, fill, dtype=dtype, device=device)
         self.device = self.k.device  # normalised: "cuda" -> "cuda:0"
         self.num_layers, self.block_size, self.flat = num_layers, block_size, (-1, kv_heads, head_dim)
         self.layer_rows = torch.arange(num_layers, device=self.device)[:, None] * block_size  # [L, 1]
+        self.k_scale, self.v_scale = k_scale, v_scale
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[..., kv_heads, head_dim]`` as the pools store them: quantized if they are fp8."""
+        if self.k.dtype not in FP8_DTYPES:
+            return k, v
+        return quantize(k, self.k_scale, self.k.dtype), quantize(v, self.v_scale, self.v.dtype)
 
     def rows(self, slots: list[int]) -> torch.Tensor:
         """int64 ``[num_layers * n]`` rows of ``slots``, layer-major, in the pool flattened to ``[-1, H, D]``:
@@ -30,9 +41,9 @@ class KVPool:
     def write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``) into slot ``slots[i]``
         of every layer: one ``index_copy_`` per pool."""
-        rows = self.rows(slots)
-        self.k.view(self.flat).index_copy_(0, rows, k.detach().reshape(self.flat))  # [L * n, H, D]
-        self.v.view(self.flat).index_copy_(0, rows, v.detach().reshape(self.flat))
+        rows, (k, v) = self.rows(slots), self.encode(k.detach(), v.detach())
+        for pool, x in ((self.k, k), (self.v, v)):
+            _bits(pool).view(self.flat).index_copy_(0, rows, _bits(x).reshape(self.flat))  # [L * n, H, D]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair (copy-on-write)."""
@@ -55,5 +66,11 @@ class KVPool:
         keep = torch.zeros(self.k.shape[0] * self.block_size, dtype=torch.bool)
         keep[used] = True
         unused = (~keep).view(self.k.shape[0], self.block_size).to(self.device)  # [num_blocks, block_size]
-        for pool in (self.k, self.v):
-            pool.transpose(1, 2)[unused] = value  # a view [num_blocks, bs, L, H, D]; writes through
+        for pool in (self.k, self.v):  # a view [num_blocks, bs, L, H, D]; writes through
+            fill = torch.tensor(value, dtype=pool.dtype, device=self.device)
+            _bits(pool).transpose(1, 2)[unused] = _bits(fill)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as ``uint8`` (the same bytes): torch's CPU indexing kernels have no fp8 versions."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t

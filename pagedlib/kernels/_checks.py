@@ -8,6 +8,8 @@ import numbers
 import torch
 
 from pagedlib.checks import as_int, refuse
+from pagedlib.core._checks import scales
+from pagedlib.core.fp8 import FP8_DTYPES
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 256, 128, 64  # the Triton kernel's limits
@@ -51,7 +53,7 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must have a dtype in {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
+        if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
     _check_tables(q, block_tables, seq_lens, k_cache.shape[0], block_size)
     return batch, q_heads, kv_heads, head_dim, block_size
@@ -144,11 +146,13 @@ def check_triton(q, k_cache, v_cache, num_splits, compiled: bool) -> int | None:
                          f"got {block_size}")
     if compiled and q.device.type != "cuda":
         raise ValueError(f"q must be a CUDA tensor for the compiled kernel, got device {q.device}")
+    refuse((compiled and k_cache.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(q.device)
+            < (8, 9), "a float8_e4m3fn cache needs compute capability 8.9+ for the Triton kernel (Triton has "
+                      "no e4m3 below it); use float8_e5m2"))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise ValueError("q, k_cache and v_cache must not require grad: the Triton kernel has no backward "
                          "pass (call it under torch.no_grad(), or pass detached tensors)")
     return None if num_splits is None else as_int("num_splits", num_splits, minimum=1, maximum=MAX_SPLITS)
-
 
 
 def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
@@ -183,3 +187,12 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
             raise ValueError(f"sequence {b} has {m} new tokens in q but seq_lens[{b}] = {n} (its cached plus "
                              "new tokens) is smaller")
     return lens, starts
+
+def check_scales(k_cache: torch.Tensor, k_scale: object, v_scale: object) -> tuple:
+    """The scales as ``PagedKVCache`` holds them (``core/_checks.scales``); 1.0 for a cache not in fp8."""
+    if k_cache.dtype in FP8_DTYPES:
+        return scales(k_scale, v_scale, k_cache.dtype, k_cache.shape[2], k_cache.device)
+    refuse(*((not isinstance(s, numbers.Real) or s != 1, f"{n} applies to a float8 cache only, got {s!r} for "
+                                                          f"a {k_cache.dtype} cache")
+             for n, s in (("k_scale", k_scale), ("v_scale", v_scale))))
+    return 1.0, 1.0

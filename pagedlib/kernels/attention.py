@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedlib.checks import as_int, ceil_div
+from pagedlib.core.fp8 import dequantize, per_head
 from pagedlib.kernels import _checks
-from pagedlib.kernels._checks import check_paged_inputs
+from pagedlib.kernels._checks import check_paged_inputs, check_scales
 
 #: ``assert_close(a, b, **TOLERANCES[dtype])`` between two outputs: the article's absolute tolerances plus
 #: about one unit in the last place (a bf16 output above 1 has an ulp of 0.0078, more than 5e-3 alone).
@@ -69,8 +70,8 @@ def reference_paged_attention(cache, seq_id, q: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float | None = None, *,
-                    chunk_bytes: float | None = None) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float | None = None, *, chunk_bytes: float | None = None,
+                    k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """One decode step of one layer for a batch of sequences of different lengths.
 
     Args:
@@ -79,24 +80,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables, seq_lens: int32 ``[batch, max_blocks]`` padded with -1, int32 ``[batch]`` (>= 1).
         scale: softmax scale; default ``head_dim ** -0.5``.
         chunk_bytes: bound on each chunk's gathered K+V copy (``plan_chunks``); default by device.
+        k_scale, v_scale: an fp8 cache's scales, a float or ``[kv_heads]`` (``pagedlib.core.fp8``).
     Returns:
         ``[batch, q_heads, head_dim]``, like ``q``.
     """
     _, _, kv_heads, head_dim, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
-    scale = softmax_scale(head_dim, scale)
+    scale, (k_scale, v_scale) = softmax_scale(head_dim, scale), check_scales(k_cache, k_scale, v_scale)
     budget = default_chunk_bytes(q.device) if chunk_bytes is None else \
         _checks.check_number("chunk_bytes", chunk_bytes, zero_ok=True)
     lens = seq_lens.tolist()
     out = torch.empty_like(q)                                                  # [batch, q_heads, D]
     for chunk in plan_chunks(lens, block_size, 2 * kv_heads * head_dim * q.element_size(), budget):
         sl = slice(chunk.start, chunk.stop)
-        out[sl] = attend_chunk(q[sl], k_cache, v_cache, block_tables[sl], seq_lens[sl], lens[sl], scale)
+        out[sl] = attend_chunk(q[sl], k_cache, v_cache, block_tables[sl], seq_lens[sl], lens[sl], scale,
+                               k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, lens: list[int], scale: float, window: int | None = None
-                 ) -> torch.Tensor:
+                 seq_lens: torch.Tensor, lens: list[int], scale: float, window: int | None = None,
+                 k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``paged_attention`` for a chunk of ``c`` sequences (checked inputs; ``lens`` is ``seq_lens`` as a
     list; ``window``: see ``sliding_window_attention``). ``q`` ``[c, q_heads, head_dim]`` -> the same."""
     c, q_heads, head_dim = q.shape
@@ -104,12 +107,12 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     n = max(lens)                                       # every sequence is padded to the longest
     n_blocks = ceil_div(n, block_size)
 
-    # 1. gather whole blocks, in float32. Table entries past a sequence's last block (-1 padding) become
-    #    block 0: gathered like the others, then masked.
+    # 1. gather whole blocks, in float32 (an fp8 cache times its scales). Table entries past a sequence's
+    #    last block (-1 padding) become block 0: gathered like the others, then masked.
     used = torch.arange(n_blocks, device=q.device) * block_size < seq_lens[:, None]  # [c, n_blocks]
     ids = torch.where(used, tables[:, :n_blocks], 0).long()                        # [c, n_blocks]
-    k = _gather(k_cache, ids, n).float().transpose(1, 2)                           # [c, kv_heads, n, D]
-    v = _gather(v_cache, ids, n).float().transpose(1, 2)
+    k = dequantize(_gather(k_cache, ids, n), k_scale).transpose(1, 2)             # [c, kv_heads, n, D]
+    v = dequantize(_gather(v_cache, ids, n), v_scale).transpose(1, 2)
 
     # 2. scores with grouped heads: the `group` query heads of a KV head are rows of one matrix
     qg = q.reshape(c, kv_heads, q_heads // kv_heads, head_dim).float() * scale    # [c, kv_heads, group, D]
@@ -160,17 +163,19 @@ def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_len: int,
-                            scale: float | None = None) -> torch.Tensor:
+                            scale: float | None = None, *, k_scale: float | torch.Tensor = 1.0,
+                            v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Causal attention for the last ``n`` positions of one sequence whose K/V are in the cache: ``q``
     ``[n, q_heads, head_dim]`` -> the same shape. ``block_table``: int32 ``[max_blocks]`` (padding allowed);
     ``seq_len``: tokens stored, the queries' own included (``n == seq_len``: a prompt's prefill; ``n <
     seq_len``: a chunk after earlier tokens, query ``i`` at position ``seq_len - n + i``)."""
     seq_len = _checks.check_prefill(q, k_cache, v_cache, block_table, seq_len)
-    scale, n = softmax_scale(q.shape[2], scale), q.shape[0]
+    scale, n, (k_scale, v_scale) = softmax_scale(q.shape[2], scale), q.shape[0], check_scales(
+        k_cache, k_scale, v_scale)
     ids = block_table[None, : ceil_div(seq_len, k_cache.shape[1])].long()     # [1, n_blocks]
     # 4-D [1, heads, tokens, D] views: SDPA's fused CPU kernel takes 4-D inputs only
-    k = _gather(k_cache, ids, seq_len).transpose(1, 2)                         # [1, kv_heads, seq_len, D]
-    v = _gather(v_cache, ids, seq_len).transpose(1, 2)
+    k = dequantize(_gather(k_cache, ids, seq_len), k_scale, q.dtype).transpose(1, 2)  # [1, kv_heads, len, D]
+    v = dequantize(_gather(v_cache, ids, seq_len), v_scale, q.dtype).transpose(1, 2)
     qh = q.transpose(0, 1)[None]                                               # [1, q_heads, n, D]
     pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]        # [n, 1] query positions
     mask = None if n == seq_len else torch.arange(seq_len, device=q.device) <= pos  # [n, seq_len]
@@ -191,18 +196,19 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 def paged_attention_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, *, k_scale: float | torch.Tensor = 1.0,
+                           v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """What ``paged_attention`` computes, in float64, one sequence at a time, reading only the slots that
     hold tokens. Returns float64 ``[batch, q_heads, head_dim]``, unrounded, so no error hides in it."""
     batch, q_heads, kv_heads, head_dim, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables,
                                                                         seq_lens)
-    scale = softmax_scale(head_dim, scale)
+    scale, (k_scale, v_scale) = softmax_scale(head_dim, scale), check_scales(k_cache, k_scale, v_scale)
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float64, device=q.device)
     for b, n in enumerate(seq_lens.tolist()):
         pos = torch.arange(n, device=q.device)                                 # [n]
         phys = block_tables[b].long()[pos // block_size]                       # [n] block of each token
-        k = k_cache[phys, pos % block_size].double()                           # [n, kv_heads, D]
-        v = v_cache[phys, pos % block_size].double()
+        k = k_cache[phys, pos % block_size].double() * per_head(k_scale)       # [n, kv_heads, D]
+        v = v_cache[phys, pos % block_size].double() * per_head(v_scale)
         qb = q[b].double().reshape(kv_heads, q_heads // kv_heads, head_dim)    # [kv_heads, group, D]
         scores = torch.einsum("hgd,nhd->hgn", qb, k) * scale                   # [kv_heads, group, n]
         out[b] = torch.einsum("hgn,nhd->hgd", scores.softmax(-1), v).reshape(q_heads, head_dim)
@@ -222,10 +228,13 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.devi
 
 def sliding_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int,
-                             scale: float | None = None) -> torch.Tensor:
+                             scale: float | None = None, *, k_scale: float | torch.Tensor = 1.0,
+                             v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """One decode step in which each sequence's newest token sees only its last ``window`` positions;
     ``paged_attention``'s arguments, the tables and lengths describing the blocks and tokens still held
     (``attend_chunk`` masks the positions before the window as it masks those past the length)."""
     head_dim = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)[3]
     window, scale = as_int("window", window, minimum=1), softmax_scale(head_dim, scale)
-    return attend_chunk(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale, window)
+    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
+    return attend_chunk(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale, window,
+                        k_scale, v_scale)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from pagedlib.checks import as_int
 from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # re-exported: model.py checks with it
-from pagedlib.kernels._checks import MAX_SPLITS, check_triton
+from pagedlib.kernels._checks import MAX_SPLITS, check_scales, check_triton
 from pagedlib.kernels.attention import check_paged_inputs, softmax_scale
 from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpreting
 
@@ -24,6 +24,7 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr,  # inputs
+    k_scale_ptr, v_scale_ptr,  # float32 [kv_heads]: an fp8 cache's scales (read if SCALED)
     out_ptr, m_ptr, l_ptr,  # output [B, H, D], or partial acc [B, H, S, D] and partial m, l [B, H, S]
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qd,
@@ -39,6 +40,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,  # write partial (m, l, acc) for the merge kernel instead of the final output
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the interpreter multiplies bf16 bits wrongly)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32 rounding)
+    SCALED: tl.constexpr = False,  # K/V are fp8: multiply by the scales after loading
 ):
     # grid: which sequence, which KV head (= which GQA group of query heads), which split of the context
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -59,9 +61,10 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
     k_cols = k_ptr + kv_head * stride_kh + dims[None, :] * stride_kd  # [1, HEAD_DIM_P]: this head, slot 0
     v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
+    k_scale, v_scale = tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)  # used if SCALED
     acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr + seq * stride_tb,
                                   stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
-                                  dim_ok, BLOCK_SIZE, TILE, DOT_FP32, PRECISION)
+                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED)
 
     # write: the final output, or this split's partial state for the merge kernel
     o_offs = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :] * stride_od
@@ -77,14 +80,16 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr, stride_tn, k_cols, stride_kb, stride_ks,
-                  v_cols, stride_vb, stride_vs, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                  v_cols, stride_vb, stride_vs, dim_ok, k_scale, v_scale, BLOCK_SIZE: tl.constexpr,
+                  TILE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
     # the inner loop: positions start..end-1 in tiles of TILE tokens, each tile folded into (m, l, acc)
     for tile_start in range(start, end, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [TILE] logical positions in the sequence
         valid = pos < end  # masks the ragged last tile (and everything past seq_len)
         k, v = _kv_tile(table_ptr, stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
                         pos, valid, dim_ok, BLOCK_SIZE)  # [TILE, HEAD_DIM_P] each
+        if SCALED:  # fp8 -> fp32, times the scale, in registers; then q's dtype for the dots
+            k, v = (k.to(tl.float32) * k_scale).to(q.dtype), (v.to(tl.float32) * v_scale).to(q.dtype)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_P, TILE], base-2 logits
@@ -160,9 +165,11 @@ def sm_count(device: torch.device) -> int:
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float | None, num_splits: int, *,
-                  dot_fp32: bool | None = None) -> torch.Tensor:
+                  dot_fp32: bool | None = None, k_scale: float | torch.Tensor = 1.0,
+                  v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Launch the kernel(s) on checked inputs, without a host synchronisation (a benchmark can capture it
-    in a CUDA graph). ``dot_fp32``: upcast dot operands (default: only in the interpreter)."""
+    in a CUDA graph). ``dot_fp32``: upcast dot operands (default: only in the interpreter); the scales: as
+    ``check_scales`` returns them."""
     (batch, q_heads, head_dim), (_, block_size, kv_heads, _) = q.shape, k_cache.shape
     cfg = kernel_config(head_dim, q_heads // kv_heads)
     # splits divide the tables' capacity, not the lengths (reading seq_lens would synchronise with the
@@ -170,6 +177,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     per_split = triton.cdiv(block_tables.shape[1] * block_size, num_splits * cfg["TILE"]) * cfg["TILE"]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     m = lsum = dst = out  # without split-K the kernel writes `out` and ignores m, l
+    scales = [s if isinstance(s, torch.Tensor) else torch.full((kv_heads,), s, device=q.device)
+              for s in (k_scale, v_scale)]  # float32 [kv_heads]: a fill, not a copy from the host
     dst_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
     if num_splits > 1:
         dst = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -177,11 +186,12 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         dst_strides = dst.stride()
     with interpreter_lock():
         _paged_decode_kernel[(batch, kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens.contiguous(), dst, m, lsum,
+            q, k_cache, v_cache, block_tables, seq_lens.contiguous(), *scales, dst, m, lsum,
             softmax_scale(head_dim, scale) * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
             *block_tables.stride(), *dst_strides, per_split, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
             DOT_FP32=interpreting() if dot_fp32 is None else dot_fp32,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg, num_warps=4)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=k_cache.dtype != q.dtype, **cfg,
+            num_warps=4)
         if num_splits > 1:
             _merge_splits_kernel[(batch, q_heads)](
                 dst, m, lsum, out, num_splits, *dst.stride(), *out.stride(), HEAD_DIM=head_dim,
@@ -191,15 +201,19 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, k_scale: float | torch.Tensor = 1.0,
+                           v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``paged_attention`` with K/V read straight from the paged pool by the fused kernel, every argument
-    checked first; ``num_splits``: partitions of the context (split-K; ``None``: ``choose_num_splits``).
+    checked first; ``num_splits``: partitions of the context (split-K; ``None``: ``choose_num_splits``);
+    ``k_scale``, ``v_scale``: an fp8 cache's scales, as for ``paged_attention``.
     No backward pass: inputs that require grad are refused while autograd records."""
     check_mode()
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
     scale, num_splits = softmax_scale(q.shape[-1], scale), check_triton(q, k_cache, v_cache, num_splits,
                                                                         compiled=not interpreting())
     if num_splits is None:
         max_context = block_tables.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context, sm_count(q.device))
-    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, k_scale=k_scale,
+                         v_scale=v_scale)

@@ -481,3 +481,35 @@ def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") 
     _legend_right(ax, ax.get_legend_handles_labels()[0] + marks)
     ax.set_title(title or "Blocks held per request after each step", fontsize=9)
     return fig
+
+
+# --- notebook 10: an FP8 KV cache -------------------------------------------------------------------
+def plot_representable(values: dict[str, np.ndarray], lo: float = 0.5, hi: float = 4.0) -> Figure:
+    """Every value each format can hold in ``[lo, hi]``, one row per format (``values``: name -> all its
+    finite values), on a log-2 axis: the spacing doubles at each power of two."""
+    fig, ax = _new_figure(8.0, 0.6 + 0.45 * len(values))
+    for row, (name, v) in enumerate(values.items()):
+        v = np.unique(v[(v >= lo) & (v <= hi)])
+        ax.plot(v, np.full_like(v, row), "|", ms=14, mew=1.5, color=OWNER_COLORS[row],
+                label=f"{name}: {len(v)} values")
+    _log2_ticks(ax, [t for t in (0.5, 1, 2, 4, 8) if lo <= t <= hi])
+    ax.set(xlabel="value (log scale)", yticks=range(len(values)), yticklabels=list(values),
+           ylim=(-0.6, len(values) - 0.4), title=f"Representable values between {lo:g} and {hi:g}")
+    ax.grid(alpha=0.3, axis="x")
+    _legend_right(ax, ax.get_legend_handles_labels()[0])
+    return fig
+
+
+def plot_rounding_errors(errors: dict[str, np.ndarray], limit: float = 15.0, bins: int = 60) -> Figure:
+    """Histogram of relative rounding errors ``(fp8 - x) / |x|`` in percent (within +-``limit``), one
+    outline per format; the legend gives each format's root-mean-square error."""
+    fig, ax = _new_figure(7.0, 3.0)
+    for i, (name, e) in enumerate(errors.items()):
+        rms = np.sqrt(np.mean(e**2)) * 100
+        ax.hist(e * 100, bins=bins, range=(-limit, limit), histtype="step", lw=1.8, color=OWNER_COLORS[i],
+                weights=np.full(len(e), 100 / len(e)), label=f"{name} (rms {rms:.1f}%)")
+    ax.set(xlabel="relative rounding error (%)", ylabel="share of elements (%)",
+           title="Rounding error of the tiny model's K and V")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    return fig

@@ -17,21 +17,24 @@ from triton.compiler import ASTSource
 
 from pagedlib.kernels import triton_decode
 
-_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8e4nv",
+                 "float8_e5m2": "fp8e5"}
 
 
 def _decode_source(spec: dict[str, Any]) -> ASTSource:
     """The decode kernel typed as a real launch specialises it (pointers and strides divisible by 16, unit
     strides along head_dim folded to constants)."""
     dtype, head_dim, split = spec["dtype"], spec["head_dim"], spec["split"]
-    fn, ty = triton_decode._paged_decode_kernel, _TRITON_TYPES[dtype]
-    pointers = {"q_ptr": ty, "k_ptr": ty, "v_ptr": ty, "table_ptr": "i32", "lens_ptr": "i32",
+    fn, ty, kv = triton_decode._paged_decode_kernel, _TRITON_TYPES[dtype], spec.get("kv_dtype", dtype)
+    pointers = {"q_ptr": ty, "k_ptr": _TRITON_TYPES[kv], "v_ptr": _TRITON_TYPES[kv], "table_ptr": "i32",
+                "lens_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32",
                 "out_ptr": "fp32" if split else ty, "m_ptr": "fp32", "l_ptr": "fp32"}
     unit = {"stride_qd", "stride_kd", "stride_vd", "stride_tn", "stride_od"}
     signature = {n: "*" + pointers[n] if n in pointers else "fp32" if n == "qk_scale" else "i32"
                  for n in fn.arg_names}
     constexprs: dict[str, Any] = {**triton_decode.kernel_config(head_dim, spec["group"]),
                                   "BLOCK_SIZE": spec["block_size"], "SPLIT": split, "DOT_FP32": False,
+                                  "SCALED": kv != dtype,
                                   **dict.fromkeys(unit, 1),
                                   "PRECISION": "ieee" if dtype == "float32" else "tf32"}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
@@ -68,7 +71,8 @@ def _compile_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
     """Compile several configurations in one subprocess with ``TRITON_INTERPRET=0``. Each spec: ``arch`` (80,
-    90, ...) and either the decode kernel's ``dtype``, ``head_dim``, ``block_size``, ``group``, ``split``, or
+    90, ...) and either the decode kernel's ``dtype``, ``head_dim``, ``block_size``, ``group``, ``split`` (and
+    optionally the cache's ``kv_dtype``, e.g. ``"float8_e4m3fn"``), or
     ``kernel="merge"`` with ``head_dim``, ``num_splits`` and optionally ``dtype`` (of the output). Returns the
     specs with ``ptx``, ``seconds``, ``shared_bytes``."""
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups

@@ -1,0 +1,256 @@
+"""An FP8 KV cache (notebook 10): quantize on write, dequantize in attention.
+
+Round trips at the format's precision with saturation at the range ends; the cache's invariants under the
+allocator's state machine with fp8 pools; fp8 attention (torch paths and the Triton interpreter) against
+the float64 oracle on the dequantized cache and against attention over a float32 copy of it; bad scales
+refused with nothing changed; the model and the engine on an fp8 cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import assert_unchanged, snapshot, tiny_llama
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+from test_cache_stateful import CacheMachine, D, H, L, kv_of
+
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.fp8 import FP8_DTYPES, dequantize, kv_scale, quantize
+from pagedlib.kernels.attention import (
+    REL_ERROR_LIMITS,
+    TOLERANCES,
+    paged_attention,
+    paged_attention_oracle,
+    paged_prefill_attention,
+    rel_error,
+    sliding_window_attention,
+)
+
+E4M3, E5M2 = FP8_DTYPES
+MANTISSA = {E4M3: 3, E5M2: 2}
+FORMATS = pytest.mark.parametrize("fmt", FP8_DTYPES, ids=["e4m3", "e5m2"])
+
+
+def bound(x: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
+    """Round to nearest: half a unit in the last place, relative for normal numbers, absolute (half the
+    smallest subnormal, times the scale) below ``smallest_normal``."""
+    fi, m = torch.finfo(fmt), MANTISSA[fmt]
+    half = 2.0 ** -(m + 1)
+    return torch.maximum(x.abs() * half, torch.tensor(fi.smallest_normal * half * scale))
+
+
+@FORMATS
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4), scale=st.floats(1e-3, 1e3),
+       spread=st.floats(-6, 6), seed=st.integers(0, 2**16))
+def test_round_trip_is_within_half_an_ulp_and_saturates(fmt, shape, scale, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).float() * 10.0**spread
+    back = dequantize(quantize(x, scale, fmt), scale)
+    top = torch.tensor(torch.finfo(fmt).max) * scale  # float32, as dequantize computes it
+    inside = x.abs() <= top
+    assert back.isfinite().all(), "a finite input never becomes NaN or inf"
+    assert (back[inside] - x[inside]).abs().le(bound(x[inside], scale, fmt) * (1 + 1e-6)).all()
+    assert torch.equal(back[~inside], torch.sign(x[~inside]) * top)  # saturated
+
+
+@FORMATS
+def test_range_ends_and_specials(fmt):
+    top = torch.finfo(fmt).max
+    x = torch.tensor([top * 4, -top * 4, math.inf, -math.inf, math.nan, 0.0, -0.0])
+    q = quantize(x, 1.0, fmt).float()
+    assert q[:4].tolist() == [top, -top, top, -top]  # saturated: e5m2 has an inf, and we never write it
+    assert q[4].isnan() and q[5:].tolist() == [0.0, 0.0]
+
+
+@FORMATS
+def test_kv_scale_maps_the_largest_magnitude_to_the_largest_value(fmt):
+    x = torch.randn(3, 7, 4, 8) * torch.tensor([1.0, 10.0, 100.0, 0.0])[:, None]  # [L, n, H=4, D]
+    s = kv_scale(x, fmt)
+    assert isinstance(s, float) and s == pytest.approx(x.abs().max().item() / torch.finfo(fmt).max)
+    per = kv_scale(x, fmt, per_kv_head=True)
+    assert per.shape == (4,) and per[3] == 1.0  # an all-zero head
+    q = quantize(x, per, fmt).float()
+    assert torch.equal(q[..., :3, :].abs().amax((0, 1, 3)), torch.full((3,), torch.finfo(fmt).max))
+
+
+class Fp8CacheMachine(CacheMachine):
+    """The allocator's state machine with an fp8 cache: every read-back equals the quantized K/V."""
+
+    SCALE = 10_007 / 448  # kv_of's largest value maps to e4m3's largest
+
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4]),
+                shuffle=st.randoms(use_true_random=False), caching=st.booleans(),
+                fmt=st.sampled_from(FP8_DTYPES))
+    def setup(self, num_blocks, block_size, shuffle, caching, fmt) -> None:
+        order = list(range(num_blocks))
+        shuffle.shuffle(order)
+        self.cache = PagedKVCache(num_blocks, L, block_size, H, D, dtype=fmt, free_order=order,
+                                  fill=float("nan"), enable_prefix_caching=caching, k_scale=self.SCALE,
+                                  v_scale=self.SCALE)
+        self.model, self.copies = {}, 0
+
+    @invariant()
+    def contents(self) -> None:
+        for s, tokens in self.model.items():
+            k, v = self.cache.gather(s)  # [L, n, H, D] fp8
+            want = quantize(kv_of(tokens, 0), self.SCALE, self.cache.dtype)
+            assert torch.equal(k.view(torch.uint8), want[0].view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), want[1].view(torch.uint8))
+
+
+Fp8CacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
+TestFp8CacheMachine = Fp8CacheMachine.TestCase
+
+
+def filled(fmt, per_head: bool, lens=(5, 33, 17), kv_heads=2, head_dim=32, block_size=8, seed=0):
+    """An fp8 cache holding random K/V (vLLM's test range: uniform in +-head_dim**-0.5; K of the second head
+    30 times larger, an outlier head), NaN in every unused slot; also the float32 K/V that went in."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.ones(2, 1, 1, kv_heads, 1)
+    spread[0, ..., 1, :] = 30.0
+    kv = [(torch.rand(2, 1, n, kv_heads, head_dim, generator=g) * 2 - 1) * head_dim**-0.5 * spread
+          for n in lens]
+    everything = torch.cat(kv, dim=2)
+    cache = PagedKVCache(16, 1, block_size, kv_heads, head_dim, dtype=fmt, free_order=range(15, -1, -1),
+                         k_scale=kv_scale(everything[0], fmt, per_head),
+                         v_scale=kv_scale(everything[1], fmt, per_head))
+    for i, x in enumerate(kv):
+        cache.add_sequence(i)
+        cache.append_tokens(i, x[0], x[1])
+    cache.fill_unused()
+    return cache, kv
+
+
+def inputs(cache, qdtype, seed=1):
+    q = torch.randn(3, 8, cache.head_dim, generator=torch.Generator().manual_seed(seed)).to(qdtype)
+    return q, *cache.layer(0), cache.block_table([0, 1, 2]), cache.seq_lens_tensor([0, 1, 2])
+
+
+def float32_copy(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's K/V dequantized into float32 pools of the same layout (NaN slots stay NaN)."""
+    k, v = cache.layer(0)
+    return dequantize(k, cache.k_scale), dequantize(v, cache.v_scale)
+
+
+@FORMATS
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_torch_paths_match_the_oracle_on_the_dequantized_cache(fmt, per_head, qdtype):
+    cache, _ = filled(fmt, per_head)
+    q, k, v, tables, lens = inputs(cache, qdtype)
+    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+    out = paged_attention(q, k, v, tables, lens, **scales)
+    ref = paged_attention_oracle(q, k, v, tables, lens, **scales)
+    assert out.dtype == qdtype and rel_error(out, ref) < REL_ERROR_LIMITS[qdtype]
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-5)  # vLLM's fp8 tolerance
+    k32, v32 = float32_copy(cache)
+    plain = paged_attention(q.float(), k32, v32, tables, lens)
+    torch.testing.assert_close(out.float(), plain, **TOLERANCES[qdtype])
+    windowed = sliding_window_attention(q, k, v, tables, lens, 7, **scales)           # a window of 7
+    plain_window = sliding_window_attention(q.float(), k32, v32, tables, lens, 7)
+    torch.testing.assert_close(windowed.float(), plain_window, **TOLERANCES[qdtype])
+    # prefill dequantizes into q's dtype: exactly attention over a cache of that dtype holding those values
+    qs = q[:1].expand(33, -1, -1).contiguous()                                     # [33, q_heads, D]
+    pre = paged_prefill_attention(qs, k, v, tables[1], 33, **scales)
+    assert torch.equal(pre, paged_prefill_attention(qs, k32.to(qdtype), v32.to(qdtype), tables[1], 33))
+
+
+@pytest.mark.parametrize("fmt,per_head,qdtype,splits", [
+    (E4M3, False, torch.float32, 1), (E4M3, True, torch.float16, 3), (E5M2, False, torch.bfloat16, 2),
+    (E5M2, True, torch.float16, 1)])
+def test_triton_kernel_matches_the_oracle_on_the_dequantized_cache(fmt, per_head, qdtype, splits):
+    triton_decode = pytest.importorskip("pagedlib.kernels.triton_decode", reason="needs Triton")
+    cache, _ = filled(fmt, per_head)
+    q, k, v, tables, lens = inputs(cache, qdtype)
+    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+    out = triton_decode.paged_attention_triton(q, k, v, tables, lens, num_splits=splits, **scales)
+    ref = paged_attention_oracle(q, k, v, tables, lens, **scales)
+    assert out.dtype == qdtype and rel_error(out, ref) < REL_ERROR_LIMITS[qdtype]
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-5)
+    k32, v32 = float32_copy(cache)
+    ref32 = triton_decode.paged_attention_triton(q.float(), k32, v32, tables, lens, num_splits=splits)
+    torch.testing.assert_close(out.float(), ref32, **TOLERANCES[qdtype])
+
+
+@FORMATS
+def test_quantization_error_against_the_unquantized_values(fmt):
+    """What fp8 costs, measured on the same data: the output against the float64 oracle of the float32
+    K/V that were written."""
+    errors = []
+    for per_head in (False, True):
+        cache, kv = filled(fmt, per_head)
+        q, k, v, tables, lens = inputs(cache, torch.float32)
+        exact = PagedKVCache(16, 1, 8, 2, 32, free_order=range(15, -1, -1))
+        for i, x in enumerate(kv):
+            exact.add_sequence(i)
+            exact.append_tokens(i, x[0], x[1])
+        ref = paged_attention_oracle(q, *exact.layer(0), tables, lens)
+        out = paged_attention(q, k, v, tables, lens, k_scale=cache.k_scale, v_scale=cache.v_scale)
+        errors.append(rel_error(out, ref))
+    # an element's rounding is up to 2**-(mantissa bits + 1) of it (e4m3 6%, e5m2 12%); the scores of the
+    # outlier head amplify it, the average over keys shrinks it
+    assert max(errors) < {E4M3: 0.1, E5M2: 0.2}[fmt]
+    assert errors[1] <= errors[0] * 1.05  # a float format's relative error hardly depends on the scale
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "1", torch.tensor([1.0, 0.0]),
+                                 torch.ones(3), torch.ones(2, 1)])
+def test_bad_scales_are_refused_before_anything_changes(bad):
+    with pytest.raises(ValueError, match="k_scale must be None, a finite number > 0"):
+        PagedKVCache(4, 1, 4, 2, 8, dtype=E4M3, k_scale=bad)
+    cache, _ = filled(E4M3, False)
+    q, k, v, tables, lens = inputs(cache, torch.float16)
+    snap = snapshot(cache)
+    for fn in (paged_attention, paged_attention_oracle):
+        with pytest.raises(ValueError, match="v_scale must be None, a finite number > 0"):
+            fn(q, k, v, tables, lens, v_scale=bad)
+    with pytest.raises(ValueError, match="k must have dtype float32, float16 or bfloat16"):
+        cache.append_tokens(0, torch.zeros(1, 1, 2, 32, dtype=E4M3), torch.zeros(1, 1, 2, 32))
+    assert_unchanged(cache, snap)
+
+
+def test_scales_belong_to_fp8_caches_only():
+    with pytest.raises(ValueError, match="k_scale needs a float8 dtype"):
+        PagedKVCache(4, 1, 4, 2, 8, dtype=torch.float16, k_scale=0.5)
+    cache = PagedKVCache(4, 1, 4, 2, 8)
+    assert (cache.k_scale, cache.v_scale) == (1.0, 1.0)
+    q, tables = torch.randn(1, 2, 8), torch.tensor([[0]], dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_scale applies to a float8 cache only"):
+        paged_attention(q, *cache.layer(0), tables, lens, k_scale=0.5)
+
+
+def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
+    cache = PagedKVCache(8, 1, 4, 2, 8, dtype=E4M3, k_scale=0.01, v_scale=0.02, enable_prefix_caching=True)
+    x = torch.randn(2, 1, 6, 2, 8)
+    cache.add_sequence(0, list(range(6)))
+    cache.append_tokens(0, x[0], x[1], list(range(6)))
+    cache.fork(0, 1)
+    cache.append_token(1, x[0, :, 0], x[1, :, 0], 9)  # copy-on-write of the shared last block
+    assert cache.cow_copies == 1
+    k0, k1 = cache.gather(0)[0], cache.gather(1)[0]
+    assert torch.equal(k0.view(torch.uint8), k1[:, :6].view(torch.uint8))
+    assert cache.add_sequence(2, list(range(6))) == 4  # one full block found again, bytes shared
+    cache.check_invariants()
+
+
+def test_model_and_engine_on_an_fp8_cache():
+    from pagedlib.engine import Engine
+    from pagedlib.model import PagedLlama
+
+    model = PagedLlama.from_hf(tiny_llama())
+    prompts = [[1, 5, 9, 2], [7, 7, 3]]
+    outs = {}
+    for attention in ("torch", "triton"):
+        engine = Engine(model, num_blocks=32, block_size=4, attention=attention, kv_cache_dtype=E4M3)
+        assert engine.cache.dtype == E4M3 and engine.cache.k.element_size() == 1
+        outs[attention] = engine.generate(prompts, max_new_tokens=6)
+    assert outs["torch"] == outs["triton"]  # both read the same bytes, dequantized exactly
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
+        Engine(model, num_blocks=8, kv_cache_dtype=torch.float64)
