@@ -217,11 +217,12 @@ class PagedLlama(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, num_blocks: int, block_size: int = 16, *,
-                  enable_prefix_caching: bool = False) -> PagedKVCache:
+                  enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype and device."""
         s = self.shape
         return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
-                            dtype=self.dtype, device=self.device, enable_prefix_caching=enable_prefix_caching)
+                            dtype=self.dtype, device=self.device, enable_prefix_caching=enable_prefix_caching,
+                            prefix_cache=prefix_cache)
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],

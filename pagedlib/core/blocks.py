@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from pagedlib.checks import ceil_div
 from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.core.radix_cache import RadixCache
 
 
 class OutOfBlocksError(RuntimeError):
@@ -33,14 +34,15 @@ class BlockManager:
     ``free_order`` lists the blocks handed out first, in order (the others follow in ascending order)."""
 
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
         listed, stack = set(free_order), range(num_blocks - 1, -1, -1)
         self.free = [b for b in stack if b not in listed] + list(free_order)[::-1] if listed else list(stack)
         self.num_blocks, self.block_size, self.ref_counts = num_blocks, block_size, [0] * num_blocks
         self.tables: dict[Hashable, list[int]] = {}
         self.seq_lens: dict[Hashable, int] = {}
         self.token_ids: dict[Hashable, list[int]] = {}  # filled only with prefix caching
-        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        design = RadixCache if prefix_cache == "radix" else PrefixCache  # a tree, or chained block hashes
+        self.prefix_cache = design(block_size) if enable_prefix_caching else None
         self.cow_copies = 0
 
     @property
@@ -227,10 +229,15 @@ class BlockManager:
 
     def _check_prefix_cache(self) -> None:
         pc, bs = self.prefix_cache, self.block_size
-        for s, table in self.tables.items():
+        for s in self.tables:
             if len(self.token_ids[s]) != self.seq_lens[s]:
                 raise InvariantError(f"6: sequence {s!r} has {len(self.token_ids[s])} token ids for "
                                      f"{self.seq_lens[s]} tokens")
+        if isinstance(pc, RadixCache):
+            if problem := pc.check(self.tables, self.token_ids):
+                raise InvariantError(f"6: {problem}")
+            return
+        for s, table in self.tables.items():
             for i, b in enumerate(table[:self.seq_lens[s] // bs]):
                 key, tokens = pc.keys.get(b), tuple(self.token_ids[s][i * bs:(i + 1) * bs])  # type: ignore
                 parent = pc.keys.get(table[i - 1]) if i else None  # type: ignore[union-attr]

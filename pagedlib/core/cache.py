@@ -35,17 +35,20 @@ class PagedKVCache:
         dtype, device: of both pools (a dtype of ``SUPPORTED_DTYPES``); K/V arguments must match exactly.
         free_order: blocks handed out first, in this order (``BlockManager``). fill: every slot's first value.
         enable_prefix_caching: find full blocks again by their token ids, which then come with every append.
+        prefix_cache: ``"hash"`` (vLLM's chained block hashes, notebook 06) or ``"radix"`` (SGLang's tree).
     """
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  free_order: Sequence[int] | None = None, fill: float = 0.0,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
         sizes, order = checks.new_cache((num_blocks, num_layers, block_size, kv_heads, head_dim), dtype,
-                                        device, free_order, fill, enable_prefix_caching)
+                                        device, free_order, fill, enable_prefix_caching, prefix_cache)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
         self.dtype: torch.dtype = dtype
-        self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching)
+        self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,
+                                    prefix_cache)
+        self.prefix_cache_kind = prefix_cache
         self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill)
         m = self.manager  # read these; only the manager and the pool change them (in place)
         self.free, self.tables, self.seq_lens, self.ref_counts = m.free, m.tables, m.seq_lens, m.ref_counts
