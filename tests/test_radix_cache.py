@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing m
 from unittest import mock
 
 import test_cache_stateful as stateful
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
@@ -31,9 +31,26 @@ class RadixMachine(stateful.CacheMachine):
     def setup(self, num_blocks: int, block_size: int, shuffle) -> None:
         order = list(range(num_blocks))
         shuffle.shuffle(order)
-        self.cache = PagedKVCache(num_blocks, stateful.L, block_size, stateful.H, stateful.D, free_order=order,
-                                  fill=float("nan"), enable_prefix_caching=True, prefix_cache="radix")
+        self.cache = PagedKVCache(num_blocks, stateful.L, block_size, stateful.H, stateful.D,
+                                  free_order=order, fill=float("nan"), enable_prefix_caching=True,
+                                  prefix_cache="radix")
         self.model, self.copies = {}, 0
+
+    @rule(seq=stateful.SEQ_IDS, prompt=st.sampled_from([None, *stateful.PROMPTS]))
+    def add(self, seq: int, prompt: list[int] | None) -> None:
+        """The block-hash machine's ``add``, but the tree may find part of a block (a copy of it): any number
+        of tokens but the prompt's last; K/V read back (``contents``) proves the copy right."""
+        c = self.cache
+        if seq in self.model:
+            self.expect_error(lambda: c.add_sequence(seq, prompt), ValueError)
+            return
+        hit = c.add_sequence(seq, prompt)
+        event(f"partial block found: {hit % c.block_size > 0}")
+        assert hit <= max(0, len(prompt or []) - 1) and len(c.tables[seq]) == -(-hit // c.block_size)
+        self.model[seq] = list(prompt or [])[:hit]
+        rest = list(prompt or [])[hit:]
+        kv = stateful.kv_of(self.model[seq] + rest, hit)
+        self.append([(seq, rest)], lambda: c.append_tokens(seq, kv[0], kv[1], token_ids=rest))
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), tokens=stateful.TOKENS, nth=st.integers(1, 3))

@@ -80,6 +80,19 @@ class RadixCache:
         self.hit_tokens += len(found) * self.block_size
         return found
 
+    def partial_match(self, token_ids: Sequence[int], found: list[int]) -> tuple[int, int]:
+        """The cached block whose first tokens continue ``found`` (the blocks ``lookup`` gave for
+        ``token_ids``) furthest, and how many: a copy of it saves computing them. ``(-1, 0)`` if none."""
+        bs, at = self.block_size, len(found) * self.block_size
+        want = list(token_ids[at:min(at + bs, len(token_ids) - 1)])
+        node = self.node_of[found[-1]] if found else self.root
+        i = node.blocks.index(found[-1]) + 1 if found else 0
+        nexts = [(node.blocks[i], node.tokens[i * bs:(i + 1) * bs])] if i < len(node.blocks) else [
+            (c.blocks[0], c.tokens[:bs]) for c in node.children.values()]
+        n, block = max([(next((k for k, (a, b) in enumerate(zip(page, want)) if a != b), len(want)), b)
+                        for b, page in nexts] if bs > 1 else [], default=(0, -1))
+        return (block, n) if n else (-1, 0)
+
     def insert(self, block: int, parent: int | None, tokens: Sequence[int]) -> None:
         """``block`` just became full with ``tokens`` after block ``parent``: it extends its parent's run when
         that run ends a leaf, else starts a new child. A block whose parent is not in the tree, or whose
