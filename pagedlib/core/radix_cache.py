@@ -22,9 +22,6 @@ class TreeNode:
         self.parent, self.tokens, self.blocks, self.last_used = parent, tokens, blocks, last_used
         self.children: dict[tuple[int, ...], TreeNode] = {}  # first block's token ids -> child
 
-    def __lt__(self, other: TreeNode) -> bool:  # heap ties: any order will do
-        return id(self) < id(other)
-
 
 class RadixCache:
     """``root``: the empty run; ``node_of[b]``: the node holding cached block ``b``; ``free_queue``: cached
@@ -37,7 +34,7 @@ class RadixCache:
         self.root = TreeNode(None, [], [], 0)
         self.node_of: dict[int, TreeNode] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict()
-        self.leaves: list[tuple[int, TreeNode]] = []
+        self.leaves: list[tuple[int, int, TreeNode]] = []  # (last use, id: ties never compare nodes, leaf)
         self.clock = self.queried_tokens = self.hit_tokens = self.evicted_blocks = 0
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], TreeNode, int]:
@@ -144,7 +141,7 @@ class RadixCache:
         self.clock += 1
         node.last_used = self.clock
         if not node.children and node.blocks[-1] in self.free_queue:
-            heapq.heappush(self.leaves, (node.last_used, node))
+            heapq.heappush(self.leaves, (node.last_used, id(node), node))
         return True
 
     def forget(self, block: int) -> None:
@@ -153,29 +150,28 @@ class RadixCache:
         node = self.node_of.get(block)
         if node is None:
             return
-        at, todo = node.blocks.index(block), list(node.children.values())
-        for b in node.blocks[at:]:
-            del self.node_of[b]
+        at = node.blocks.index(block)
+        todo, gone = list(node.children.values()), node.blocks[at:]
         del node.blocks[at:], node.tokens[at * self.block_size:]
         node.children = {}
         while todo:
-            child = todo.pop()
-            todo += child.children.values()
-            for b in child.blocks:
-                del self.node_of[b]
+            gone += todo[-1].blocks
+            todo += todo.pop().children.values()
+        for b in gone:
+            del self.node_of[b]
         if not node.blocks:
             self._remove_leaf(node)
 
     def evict(self) -> int:
         """Take the last block of the least recently used leaf nobody holds for new content."""
         while self.leaves:
-            used, node = heapq.heappop(self.leaves)
+            used, _, node = heapq.heappop(self.leaves)
             last = node.blocks[-1] if node.blocks and not node.children else -1
             if used != node.last_used or self.node_of.get(last) is not node or last not in self.free_queue:
                 continue  # stale: used again since, grown, emptied, detached, or its last block is held
             block = node.blocks.pop()
             del node.tokens[-self.block_size:], self.node_of[block], self.free_queue[block]
-            heapq.heappush(self.leaves, (used, node)) if node.blocks else self._remove_leaf(node)
+            heapq.heappush(self.leaves, (used, id(node), node)) if node.blocks else self._remove_leaf(node)
             self.evicted_blocks += 1
             return block
         raise RuntimeError("no leaf of the radix tree is free to evict: running requests hold them all")
@@ -187,7 +183,7 @@ class RadixCache:
             return
         parent.children = {k: c for k, c in parent.children.items() if c is not node}
         if parent is not self.root and not parent.children and parent.blocks[-1] in self.free_queue:
-            heapq.heappush(self.leaves, (parent.last_used, parent))
+            heapq.heappush(self.leaves, (parent.last_used, id(parent), parent))
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now, nodes."""
