@@ -92,31 +92,35 @@ class BlockManager:
                 copied[last] = copied.get(last, 0) + 1
         return plan
 
-    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = (),
-                     copy: Callable[[list], None] | None = None) -> int:
-        """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching); the radix
-        cache also copies the cached block that continues them furthest (``copy([(src, dst)])``, if a block
-        is free) and starts inside it. Returns the tokens found, at most ``len(prompt) - 1``."""
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
+        """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching). Returns the
+        tokens found: a multiple of ``block_size``, at most ``len(prompt) - 1``."""
         found = self.prefix_cache.lookup(prompt) if self.prefix_cache and prompt else []
         self.share(found)
         self.tables[seq_id], self.seq_lens[seq_id] = found, len(found) * self.block_size
-        if isinstance(self.prefix_cache, RadixCache) and prompt:
-            self._share_partial_block(seq_id, prompt, copy)
         self.token_ids[seq_id] = list(prompt[:self.seq_lens[seq_id]]) if self.prefix_cache else []
         return self.seq_lens[seq_id]
 
-    def _share_partial_block(self, seq_id: Hashable, prompt: Sequence[int], copy: Callable | None) -> None:
-        src, n = self.prefix_cache.partial_match(prompt, self.tables[seq_id])  # type: ignore[union-attr]
-        if n == 0:
-            return
+    def share_partial_block(self, seq_id: Hashable, prompt: Sequence[int],
+                            copy: Callable[[list], None] | None = None) -> int:
+        """After ``add_sequence``, with the radix cache: also hold a copy of the cached block that continues
+        the blocks found furthest (``copy([(src, dst)])`` copies its K/V; no copy if no block is free), and
+        start inside it. Returns the tokens found, now any number up to ``len(prompt) - 1``."""
+        pc, n = self.prefix_cache, self.seq_lens[seq_id]
+        src, extra = pc.partial_match(prompt, self.tables[seq_id]) if isinstance(pc, RadixCache) else (-1, 0)
+        if extra == 0:
+            return n
         self.share([src])  # not evicted for its own copy
         dst = self.allocate(1) if self.num_free_blocks else []
         if dst and copy is not None:
             copy([(src, dst[0])])
         self.release([src])
-        self.tables[seq_id] += dst
-        self.seq_lens[seq_id] += n if dst else 0
-        self.prefix_cache.hit_tokens += n if dst else 0  # type: ignore[union-attr]
+        if dst:
+            self.tables[seq_id] += dst
+            self.seq_lens[seq_id] += extra
+            self.token_ids[seq_id] += prompt[n:n + extra]
+            pc.hit_tokens += extra
+        return self.seq_lens[seq_id]
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """A new sequence sharing every block of ``parent_id``: nothing is copied until one of them writes."""

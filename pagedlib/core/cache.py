@@ -67,7 +67,8 @@ class PagedKVCache:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""
         checks.seq(self, seq_id, new=True)
         prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
-        return self.manager.add_sequence(seq_id, prompt, self.pool.copy_blocks)
+        self.manager.add_sequence(seq_id, prompt)
+        return self.manager.share_partial_block(seq_id, prompt, self.pool.copy_blocks)  # radix cache only
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Checked ``BlockManager.fork``: parallel sampling, beam search (notebook 06)."""
