@@ -53,10 +53,10 @@ class RadixCache:
                 found += child.blocks
                 node = child
                 continue
-            m = 1  # the first block matched by its key; find where the run and the prompt part
-            while (m + 1) * bs <= min(len(run), len(ids) - at) and run[m * bs:(m + 1) * bs] == ids[
-                    at + m * bs:at + (m + 1) * bs]:
-                m += 1
+            m, most = 1, min(len(run), len(ids) - at) // bs  # the first block matched by its key
+            while m < most:  # bisect for the last matching block: each test is one list comparison
+                mid = (m + most + 1) // 2
+                m, most = (mid, most) if run[:mid * bs] == ids[at:at + mid * bs] else (m, mid - 1)
             return found + child.blocks[:m], child, m
         return found, node, len(node.blocks)
 
