@@ -68,7 +68,7 @@ class RadixMachine(stateful.CacheMachine):
         self.expect_error(self.cache.prefix_cache.evict, RuntimeError)
 
 
-RadixMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+RadixMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestRadixMachine = RadixMachine.TestCase
 
@@ -225,3 +225,28 @@ def test_engine_refuses_an_unknown_design_and_from_hf_passes_it_on(ref, model):
     assert isinstance(engine.cache.prefix_cache, RadixCache)
     engine.reset()
     assert isinstance(engine.cache.prefix_cache, RadixCache)
+
+
+def test_the_figures_show_both_structures_with_labels_and_legends():
+    """Notebook 11's drawing: one box per tree node and one per hash entry, free blocks marked; the bars
+    have a labelled axis and one legend entry per (design, block size)."""
+    import matplotlib.pyplot as plt
+
+    from pagedlib.teach.prefix_view import draw_prefix_caches, plot_side_by_side
+
+    a, b = list(range(100, 130)), list(range(100, 120)) + list(range(200, 210))
+    caches = {d: new_cache(d) for d in ("radix", "hash")}
+    for c in caches.values():
+        prefill(c, 0, a), prefill(c, 1, b)
+        c.free_sequence(0)
+    fig = draw_prefix_caches(caches["radix"].prefix_cache, caches["hash"].prefix_cache,
+                             caches["radix"].ref_counts, caches["hash"].ref_counts)
+    tree, chain = ([t.get_text() for t in ax.texts if t.get_bbox_patch()] for ax in fig.axes)  # the boxes
+    assert len(tree) == 3 and len(chain) == 4                    # [a0 a1] -> {[a2], [b2]}; 4 cached blocks
+    assert not any("free: " in t for t in tree)                  # each node here is wholly free or held
+    assert all(ax.get_xlabel() for ax in fig.axes) and fig.legends
+    rows = [{"workload": w, "design": d, "block_size": bs, "hit_rate": 0.5}
+            for w in ("x", "y") for bs in (1, 16) for d in ("hash", "radix")]
+    bars = plot_side_by_side(rows).axes[0]
+    assert bars.get_ylabel().startswith("hit rate") and len(bars.get_legend().get_texts()) == 4
+    plt.close("all")
