@@ -250,3 +250,25 @@ def test_the_figures_show_both_structures_with_labels_and_legends():
     bars = plot_side_by_side(rows).axes[0]
     assert bars.get_ylabel().startswith("hit rate") and len(bars.get_legend().get_texts()) == 4
     plt.close("all")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda wl: wl.multi_turn_like(0), "num_conversations must be >= 1"),
+    (lambda wl: wl.few_shot_like(5, num_examples=1.5), "num_examples must be an int"),
+    (lambda wl: wl.branching_like(2, stem_len=True), "stem_len must be an int, got a bool"),
+    (lambda wl: wl.unique_documents_like(3, doc_len=-4), "doc_len must be >= 1"),
+])
+def test_the_new_workloads_refuse_bad_sizes_by_name(call, match):
+    from pagedlib.sim import workloads
+
+    with pytest.raises(ValueError, match=match):
+        call(workloads)
+
+
+def test_the_new_workloads_are_seeded_and_carry_their_token_ids():
+    from pagedlib.sim.prefix_compare import WORKLOADS
+
+    for name, make in WORKLOADS.items():
+        first, again = make(0), make(0)
+        assert first == again and first != make(1), name
+        assert all(r.prompt_len == len(r.prompt_tokens) for r in first), name

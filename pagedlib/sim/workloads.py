@@ -107,8 +107,8 @@ def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> tuple[int, ...]:
 def multi_turn_like(num_conversations: int, turns: int = 4, seed: int = 0, *, user_len: int = 40,
                     reply_len: int = 60, turn_gap: int = 100, vocab_size: int = 32000) -> list[Request]:
     """Chat: turn ``t`` of a conversation resends the whole conversation so far (every earlier user message
-    and reply) plus a new user message of about ``user_len`` tokens, ``turn_gap`` steps after the last turn;
-    conversations start one step apart."""
+    and reply) plus a new user message of about ``user_len`` tokens, ``turn_gap`` steps after the previous
+    turn arrived; replies of about ``reply_len`` tokens; conversations start one step apart."""
     n, turns, user_len, reply_len, turn_gap, vocab_size = check_sizes(
         num_conversations=num_conversations, num_turns=turns, user_len=user_len, reply_len=reply_len,
         turn_gap=turn_gap, vocab_size=vocab_size)
