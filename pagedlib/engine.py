@@ -54,18 +54,19 @@ class Engine:
         num_blocks, block_size: the KV pool, ``engine.cache``.
         attention: ``"torch"`` or ``"triton"`` (``block_size`` a power of two up to 128, ``head_dim`` <= 256).
         enable_prefix_caching: attach a prompt's cached full blocks instead of prefilling them (notebook 06).
+        prefix_cache: ``"hash"`` (vLLM's block hashes) or ``"radix"`` (SGLang's tree, notebook 11).
         max_num_seqs: most requests in the running batch.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16, attention: str = "torch",
                  enable_prefix_caching: bool = False, *, max_num_seqs: int = 256,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
         num_blocks, block_size, self.max_num_seqs = check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
         decode_kernel(attention, model.shape.head_dim)       # refuses a head size the kernel cannot take
         self.model, self.attention = model, attention
         self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                     kv_cache_dtype=kv_cache_dtype)  # an fp8 dtype: notebook 10
+                                     kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
         self.watermark_blocks = int(WATERMARK * num_blocks)       # the scheduler's rounding
         self.scheduler = self._new_scheduler()
         self.tokens: dict[int, list[int]] = {}     # request id -> prompt + generated tokens
@@ -196,7 +197,8 @@ class Engine:
             self.cache.free_sequence(seq_id)
         if (c := self.cache).prefix_cache is not None:
             self.cache = self.model.new_cache(c.num_blocks, c.block_size, enable_prefix_caching=True,
-                                              kv_cache_dtype=None if c.dtype == self.model.dtype else c.dtype)
+                                              kv_cache_dtype=None if c.dtype == self.model.dtype else c.dtype,
+                                              prefix_cache=c.prefix_cache_kind)
         self.scheduler = self._new_scheduler()
         self.tokens.clear()
         self.prompt_lens.clear()

@@ -221,13 +221,14 @@ class PagedLlama(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, num_blocks: int, block_size: int = 16, *,
-                  enable_prefix_caching: bool = False,
-                  kv_cache_dtype: torch.dtype | None = None) -> PagedKVCache:
+                  enable_prefix_caching: bool = False, kv_cache_dtype: torch.dtype | None = None,
+                  prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
         1.0) and device."""
         s, dtype = self.shape, checks.check_kv_cache_dtype(kv_cache_dtype) or self.dtype
         return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
-                            dtype=dtype, device=self.device, enable_prefix_caching=enable_prefix_caching)
+                            dtype=dtype, device=self.device, enable_prefix_caching=enable_prefix_caching,
+                            prefix_cache=prefix_cache)
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],

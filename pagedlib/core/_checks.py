@@ -31,7 +31,7 @@ class UnknownSequenceError(KeyError):
 
 
 def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, fill: object,
-              prefix: object) -> tuple[tuple[int, ...], list[int]]:
+              prefix: object, kind: object = "hash") -> tuple[tuple[int, ...], list[int]]:
     sizes = tuple(as_int(n, x, minimum=1, maximum=2**31 - 1 if n == "num_blocks" else None)  # int32 tables
                   for n, x in zip(("num_blocks", "num_layers", "block_size", "kv_heads", "head_dim"), sizes))
     if dtype not in SUPPORTED_DTYPES:
@@ -43,6 +43,8 @@ def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, f
                          f"got {fill!r}")
     if not isinstance(prefix, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {prefix!r}")
+    if not isinstance(kind, str) or kind not in ("hash", "radix"):
+        raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {kind!r}")
     order = [as_int(f"free_order[{i}]", b, minimum=0, maximum=sizes[0] - 1)
              for i, b in enumerate([] if free_order is None else free_order)]
     if len(set(order)) != len(order):

@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from pagedlib.checks import ceil_div
 from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.core.radix_cache import RadixCache
 
 
 class OutOfBlocksError(RuntimeError):
@@ -33,14 +34,15 @@ class BlockManager:
     ``free_order`` lists the blocks handed out first, in order (the others follow in ascending order)."""
 
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
         listed, stack = set(free_order), range(num_blocks - 1, -1, -1)
         self.free = [b for b in stack if b not in listed] + list(free_order)[::-1] if listed else list(stack)
         self.num_blocks, self.block_size, self.ref_counts = num_blocks, block_size, [0] * num_blocks
         self.tables: dict[Hashable, list[int]] = {}
         self.seq_lens: dict[Hashable, int] = {}
         self.token_ids: dict[Hashable, list[int]] = {}  # filled only with prefix caching
-        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        design = RadixCache if prefix_cache == "radix" else PrefixCache  # a tree, or chained block hashes
+        self.prefix_cache = design(block_size) if enable_prefix_caching else None
         self.cow_copies = 0
 
     @property
@@ -97,6 +99,27 @@ class BlockManager:
         self.share(found)
         self.tables[seq_id], self.seq_lens[seq_id] = found, len(found) * self.block_size
         self.token_ids[seq_id] = list(prompt[:self.seq_lens[seq_id]]) if self.prefix_cache else []
+        return self.seq_lens[seq_id]
+
+    def share_partial_block(self, seq_id: Hashable, prompt: Sequence[int],
+                            copy: Callable[[list], None] | None = None) -> int:
+        """After ``add_sequence``, with the radix cache: also hold a copy of the cached block that continues
+        the blocks found furthest (``copy([(src, dst)])`` copies its K/V; no copy if no block is free), and
+        start inside it. Returns the tokens found, now any number up to ``len(prompt) - 1``."""
+        pc, n = self.prefix_cache, self.seq_lens[seq_id]
+        src, extra = pc.partial_match(prompt, self.tables[seq_id]) if isinstance(pc, RadixCache) else (-1, 0)
+        if extra == 0:
+            return n
+        self.share([src])  # not evicted for its own copy
+        dst = self.allocate(1) if self.num_free_blocks else []
+        if dst and copy is not None:
+            copy([(src, dst[0])])
+        self.release([src])
+        if dst:
+            self.tables[seq_id] += dst
+            self.seq_lens[seq_id] += extra
+            self.token_ids[seq_id] += prompt[n:n + extra]
+            pc.hit_tokens += extra
         return self.seq_lens[seq_id]
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -227,10 +250,15 @@ class BlockManager:
 
     def _check_prefix_cache(self) -> None:
         pc, bs = self.prefix_cache, self.block_size
-        for s, table in self.tables.items():
+        for s in self.tables:
             if len(self.token_ids[s]) != self.seq_lens[s]:
                 raise InvariantError(f"6: sequence {s!r} has {len(self.token_ids[s])} token ids for "
                                      f"{self.seq_lens[s]} tokens")
+        if isinstance(pc, RadixCache):
+            if problem := pc.check(self.tables, self.token_ids):
+                raise InvariantError(f"6: {problem}")
+            return
+        for s, table in self.tables.items():
             for i, b in enumerate(table[:self.seq_lens[s] // bs]):
                 key, tokens = pc.keys.get(b), tuple(self.token_ids[s][i * bs:(i + 1) * bs])  # type: ignore
                 parent = pc.keys.get(table[i - 1]) if i else None  # type: ignore[union-attr]

@@ -37,19 +37,23 @@ class PagedKVCache:
         k_scale, v_scale: an fp8 cache's scales, a float or ``[kv_heads]`` (``None``: 1.0, vLLM's default).
         free_order: blocks handed out first, in this order (``BlockManager``). fill: every slot's first value.
         enable_prefix_caching: find full blocks again by their token ids, which then come with every append.
+        prefix_cache: ``"hash"`` (vLLM's chained block hashes, notebook 06) or ``"radix"`` (SGLang's tree).
     """
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  free_order: Sequence[int] | None = None, fill: float = 0.0,
-                 enable_prefix_caching: bool = False, k_scale: float | torch.Tensor | None = None,
+                 enable_prefix_caching: bool = False, prefix_cache: str = "hash",
+                 k_scale: float | torch.Tensor | None = None,
                  v_scale: float | torch.Tensor | None = None) -> None:
         sizes, order = checks.new_cache((num_blocks, num_layers, block_size, kv_heads, head_dim), dtype,
-                                        device, free_order, fill, enable_prefix_caching)
+                                        device, free_order, fill, enable_prefix_caching, prefix_cache)
         self.k_scale, self.v_scale = checks.scales(k_scale, v_scale, dtype, sizes[3], device)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
         self.dtype: torch.dtype = dtype
-        self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching)
+        self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,
+                                    prefix_cache)
+        self.prefix_cache_kind = prefix_cache
         self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
                            v_scale=self.v_scale)
         m = self.manager  # read these; only the manager and the pool change them (in place)
@@ -69,7 +73,8 @@ class PagedKVCache:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found."""
         checks.seq(self, seq_id, new=True)
         prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
-        return self.manager.add_sequence(seq_id, prompt)
+        self.manager.add_sequence(seq_id, prompt)
+        return self.manager.share_partial_block(seq_id, prompt, self.pool.copy_blocks)  # radix cache only
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Checked ``BlockManager.fork``: parallel sampling, beam search (notebook 06)."""

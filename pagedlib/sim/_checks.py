@@ -67,3 +67,9 @@ def check_shared(num_requests: object, system_len: object, num_system_prompts: o
     k = as_int("num_system_prompts", num_system_prompts, minimum=1, maximum=most)
     vocab_size = as_int("vocab_size", vocab_size, minimum=2, maximum=token_base)
     return system_len, k, vocab_size
+
+
+def check_sizes(**sizes: object) -> tuple[int, ...]:
+    """Each named size as an int >= 1 (``num_*`` counts, ``*_len`` lengths, ``vocab_size``), in order."""
+    return tuple(as_int(name, value, minimum=1, maximum=MAX_REQUESTS if name.startswith("num") else
+                        MAX_MODEL_LEN) for name, value in sizes.items())

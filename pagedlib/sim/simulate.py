@@ -138,13 +138,15 @@ def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
 
 def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: int, block_size: int = 16, *,
                   max_num_seqs: int = 256, watermark: float = 0.01, max_model_len: int = 2048,
-                  sliding_window: int | None = None, enable_prefix_caching: bool = False) -> Scheduler:
+                  sliding_window: int | None = None, enable_prefix_caching: bool = False,
+                  prefix_cache: str = "hash") -> Scheduler:
     """The scheduler ``simulate`` runs, with its cache, every request checked against it (nothing queued)."""
     requests, budget, block_size, max_num_seqs = check_simulate(
         requests, policy, kv_budget_blocks, block_size, max_num_seqs, enable_prefix_caching)
     max_num_seqs = min(max_num_seqs, max(1, len(requests)))  # no more can run: the cap must not size memory
     extra = 0 if policy == "paged" else max_num_seqs  # a slab's tokens can straddle one block more
-    cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching)
+    cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching,
+                         prefix_cache=prefix_cache)
     sched = Scheduler(cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark,
                       max_model_len=max_model_len, kv_budget_blocks=budget, sliding_window=sliding_window,
                       token_ids=fake_token_ids if enable_prefix_caching else None)
