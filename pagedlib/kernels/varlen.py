@@ -100,7 +100,7 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def gather_padded(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, n: int,
-                  scale: float | torch.Tensor = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+                  scale: float | torch.Tensor = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Positions ``0..n-1`` of ``c`` sequences of a pool ``[num_blocks, block_size, kv_heads, head_dim]``
     (``tables`` ``[c, max_blocks]``, ``seq_lens`` ``[c]``): a copy, viewed as ``[c, kv_heads, n, head_dim]``
     for SDPA (a contiguous one measured no faster here), zero at and past each sequence's length (no NaN of
