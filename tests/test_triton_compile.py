@@ -125,6 +125,9 @@ VARLEN = [
     ("float16", 256, 32, 2, False),
     ("bfloat16", 112, 64, 16, False),
 ]
+# an fp8 cache per target, (query dtype, cache dtype) at head_dim 128, block 16, group 4, a mixed step;
+# as for the decode kernel: e4m3 on sm_90, e5m2 on sm_80 (Triton has no e4m3 below sm_89)
+VARLEN_FP8 = {90: ("float16", "float8_e4m3fn"), 80: ("bfloat16", "float8_e5m2")}
 # compiled as a real launch specialises it: pointers and strides divisible by 16, unit strides constant
 _VARLEN_COMPILE = r"""
 import json, sys, time, torch
@@ -135,13 +138,16 @@ from pagedlib.kernels.triton_varlen import _varlen_kernel, varlen_config
 
 fn, out = _varlen_kernel, []
 unit = {"stride_qd", "stride_kd", "stride_vd", "stride_tn", "stride_od"}
+types = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8e4nv",
+         "float8_e5m2": "fp8e5"}
 for spec in json.load(sys.stdin):
-    ty = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec["dtype"]]
-    ints = {"table_ptr", "lens_ptr", "qsl_ptr"}
-    sig = {n: ("*i32" if n in ints else "*" + ty) if n.endswith("_ptr") else "fp32" if n == "qk_scale"
-           else "i32" for n in fn.arg_names}
+    ty, kv = types[spec["dtype"]], types[spec.get("kv_dtype", spec["dtype"])]
+    ptrs = {"table_ptr": "i32", "lens_ptr": "i32", "qsl_ptr": "i32", "k_ptr": kv, "v_ptr": kv,
+            "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
+    sig = {n: "*" + ptrs.get(n, ty) if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
+           for n in fn.arg_names}
     consts = {**varlen_config(spec["head_dim"], spec["group"], spec["decode"]), **dict.fromkeys(unit, 1),
-              "BLOCK_SIZE": spec["block_size"], "DOT_FP32": False,
+              "BLOCK_SIZE": spec["block_size"], "DOT_FP32": False, "SCALED": kv != ty,
               "PRECISION": "ieee" if spec["dtype"] == "float32" else "tf32"}
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
@@ -158,19 +164,21 @@ json.dump(out, sys.stdout)
 def compiled_varlen() -> dict[tuple, str]:
     specs = [{"arch": a, "dtype": d, "head_dim": hd, "block_size": bs, "group": g, "decode": dec}
              for a in ARCHS for d, hd, bs, g, dec in VARLEN]
+    specs += [{"arch": a, "dtype": d, "kv_dtype": kv, "head_dim": 128, "block_size": 16, "group": 4,
+               "decode": False} for a, (d, kv) in VARLEN_FP8.items()]
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-c", _VARLEN_COMPILE], input=json.dumps(specs), cwd=root, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {(r["arch"], r["dtype"], r["head_dim"], r["block_size"], r["group"], r["decode"]): r["ptx"]
-            for r in json.loads(proc.stdout)}
+    return {(r["arch"], r["dtype"], r["head_dim"], r["block_size"], r["group"], r["decode"],
+             r.get("kv_dtype", r["dtype"])): r["ptx"] for r in json.loads(proc.stdout)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype,head_dim,block_size,group,decode", VARLEN)
 def test_varlen_kernel_compiles(compiled_varlen, arch, dtype, head_dim, block_size, group, decode):
-    ptx = compiled_varlen[(arch, dtype, head_dim, block_size, group, decode)]
+    ptx = compiled_varlen[(arch, dtype, head_dim, block_size, group, decode, dtype)]
     assert f".target sm_{arch}" in ptx and ".entry _varlen_kernel" in ptx
     if dtype == "float32":  # exact fp32 products: no TF32 tensor-core rounding
         assert "mma." not in ptx
@@ -178,6 +186,25 @@ def test_varlen_kernel_compiles(compiled_varlen, arch, dtype, head_dim, block_si
         t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx or \
             re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{t}\.{t}", ptx)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_kernel_compiles_with_an_fp8_cache(compiled_varlen, arch):
+    """The decode kernel's conversions (see the next test): sm_90's ``cvt`` from fp8 pairs, sm_80's byte
+    permute from e5m2; fp32 for the scale; the dots still on fp16/bf16 tensor cores."""
+    dtype, kv = VARLEN_FP8[arch]
+    ptx = compiled_varlen[(arch, dtype, 128, 16, 4, False, kv)]
+    assert f".target sm_{arch}" in ptx and ".entry _varlen_kernel" in ptx
+    ops = [i.split()[0] for i in ptx_instructions(ptx)]
+    if arch == 90:
+        assert f"cvt.rn.f16x2.{kv.removeprefix('float8_').removesuffix('fn')}x2" in ops
+    else:
+        assert "prmt.b32" in ops and not any(".e4m3" in o or ".e5m2" in o for o in ops)
+    assert "cvt.f32.f16" in ops
+    t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ops or \
+        any(re.fullmatch(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{t}\.{t}", o) for o in ops)
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8_cache_compiles_with_the_conversion_each_target_has(compiled, arch):

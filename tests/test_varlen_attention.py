@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.fp8 import FP8_DTYPES, dequantize, kv_scale, quantize
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
-from pagedlib.kernels.varlen import paged_attention_varlen, paged_attention_varlen_oracle
+from pagedlib.kernels.varlen import attend_varlen, paged_attention_varlen, paged_attention_varlen_oracle
 
 # after pagedlib, which picks Triton's mode before triton's first import
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
@@ -171,7 +172,8 @@ def _bad_inputs():
         ("seq_lens int64", with_(4, lambda a: a[4].long()), "seq_lens must be an int32 tensor"),
         ("bad block id", with_(3, lambda a: a[3].masked_fill(a[3] >= 0, 999)), "is not a block id"),
         ("k dtype", with_(1, lambda a: a[1].double()), "k_cache must have q's dtype"),
-        ("fp8 v", with_(2, lambda a: a[2].to(torch.float8_e5m2)), "v_cache must have q's dtype"),
+        ("v dtype", with_(2, lambda a: a[2].half()), "v_cache must have q's dtype torch.float32, got "
+                                                     "torch.float16"),  # only an fp8 cache may differ
         ("v shape", with_(2, lambda a: a[2][:, :2]), "v_cache must have k_cache's shape"),
         ("heads", with_(0, lambda a: a[0][:, :3]), "q_heads (3) must be a multiple of the cache's kv_heads"),
     ]
@@ -291,3 +293,89 @@ def test_chunks_longer_than_a_query_block_span_several_programs(group, block_q):
     assert varlen_config(16, group, decode=False)["BLOCK_Q"] == block_q
     cache, args = varlen_case([5, 0, 9, 2], [13, 1, 2 * block_q, 9], block_size=4, kv_heads=1, group=group)
     check(paged_attention_varlen_triton(*args), cache, args)
+
+
+# an fp8 cache (notebook 10): decodes, a chunk that starts mid-block (9 cached at block size 4), a prompt
+FP8_CASE = {"cached": [5, 9, 0, 3], "new": [1, 6, 7, 1], "block_size": 4}
+
+
+def fp8_case(fmt: torch.dtype, per_head: bool, qdtype: torch.dtype) -> tuple[tuple, dict, tuple]:
+    """``FP8_CASE``'s varlen arguments with the pools quantized to ``fmt`` (NaN slots stay NaN) and ``q`` in
+    ``qdtype``, the scales (set from the data), and the same arguments with the pools dequantized into
+    float32. K/V in about vLLM's test range (+-head_dim**-0.5, which its atol=1e-2 assumes), K's second
+    head 4 times larger (an outlier head)."""
+    _, (q, k, v, *rest) = varlen_case(**FP8_CASE)
+    k = k * torch.tensor([0.25, 1.0], device=k.device)[:, None]               # [num_blocks, bs, H=2, D=16]
+    v = v * 0.25
+    scales = {"k_scale": kv_scale(k.nan_to_num(0.0), fmt, per_head),
+              "v_scale": kv_scale(v.nan_to_num(0.0), fmt, per_head)}
+    k8, v8 = quantize(k, scales["k_scale"], fmt), quantize(v, scales["v_scale"], fmt)
+    q = q.to(qdtype)
+    plain = (q.float(), dequantize(k8, scales["k_scale"]), dequantize(v8, scales["v_scale"]), *rest)
+    return (q, k8, v8, *rest), scales, plain
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("qdtype", DTYPES)
+def test_fp8_cache_matches_the_oracle_on_the_dequantized_cache(impl, fmt, per_head, qdtype):
+    """test_fp8.py's tolerances: vLLM's atol=1e-2 against the float64 oracle; and, as for the prefill path
+    (both dequantize into q's dtype, then compute as for any cache), the same call on pools dequantized
+    into q's dtype within its tolerance."""
+    args, scales, plain = fp8_case(fmt, per_head, qdtype)
+    out = IMPLS[impl](*args, **scales)
+    ref = paged_attention_varlen_oracle(*args, **scales)
+    # the oracle multiplies in float64, dequantize in float32: equal to float32's rounding
+    torch.testing.assert_close(ref, paged_attention_varlen_oracle(*plain), **TOLERANCES[torch.float32])
+    assert out.dtype == qdtype and torch.isfinite(out).all()
+    assert rel_error(out, ref) < REL_ERROR_LIMITS[qdtype]
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-5)  # vLLM's fp8 tolerance
+    q, k, v, *rest = plain
+    same = IMPLS[impl](q.to(qdtype), k.to(qdtype), v.to(qdtype), *rest)
+    torch.testing.assert_close(out, same, **TOLERANCES[qdtype])
+
+
+def test_fp8_steps_cut_into_pieces_and_decode_steps_match_the_other_paths(monkeypatch):
+    """``attend_varlen`` (the engine's per-layer call) with one piece per sequence, and a decode-only
+    step against the fp8 decode paths."""
+    from pagedlib.kernels import varlen
+
+    args, scales, _ = fp8_case(FP8_DTYPES[0], True, torch.float16)
+    whole = paged_attention_varlen(*args, **scales)
+    monkeypatch.setattr(varlen, "CHUNK_BYTES", 0)
+    lens, starts = args[4].tolist(), args[5].tolist()
+    pieces = attend_varlen(*args[:5], lens, starts, args[0].shape[2] ** -0.5, scales["k_scale"],
+                           scales["v_scale"])
+    torch.testing.assert_close(pieces, whole, **TOLERANCES[torch.float16])
+    decode = (args[0][[0, 13]], *args[1:3], args[3][[0, 3]], args[4][[0, 3]])  # the two decode tokens
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    for fn, dec in ((paged_attention_varlen, paged_attention), (paged_attention_varlen_triton,
+                                                                paged_attention_triton)):
+        torch.testing.assert_close(fn(*decode, qsl, **scales), dec(*decode, **scales),
+                                   **TOLERANCES[torch.float16])
+
+
+@pytest.mark.parametrize("fn", [*IMPLS.values(), paged_attention_varlen_oracle],
+                         ids=[*IMPLS, "oracle"])
+def test_bad_scales_are_refused_as_the_decode_paths_refuse_them(fn):
+    args, scales, _ = fp8_case(FP8_DTYPES[1], False, torch.float16)
+    before = [t.clone() for t in args]
+    for bad in (0, -1.0, float("nan"), True, "1", torch.tensor([1.0, 0.0]), torch.ones(3)):
+        with pytest.raises(ValueError, match="v_scale must be None, a finite number > 0 or a tensor of "
+                                             "kv_heads=2"):
+            fn(*args, k_scale=scales["k_scale"], v_scale=bad)
+    _, plain_args = varlen_case(**FP8_CASE)
+    with pytest.raises(ValueError, match="k_scale applies to a float8 cache only, got 0.5 for a "
+                                         "torch.float32 cache"):
+        fn(*plain_args, k_scale=0.5)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(args, before))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel's check needs a CUDA device")
+def test_an_e4m3_cache_is_refused_below_compute_capability_8_9(monkeypatch):
+    args, scales, _ = fp8_case(FP8_DTYPES[0], False, torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    for fn in (paged_attention_varlen_triton, lambda *a, **s: paged_attention_triton(*a[:5], **s)):
+        with pytest.raises(ValueError, match="a float8_e4m3fn cache needs compute capability 8.9"):
+            fn(*args, **scales)

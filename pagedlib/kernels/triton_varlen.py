@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlib.kernels._checks import check_triton, check_varlen_inputs
+from pagedlib.kernels._checks import check_scales, check_triton, check_varlen_inputs
 from pagedlib.kernels.attention import softmax_scale
 from pagedlib.kernels.triton_decode import LOG2E, _kv_tile, kernel_config
 from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpreting
@@ -22,6 +22,7 @@ from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpret
 @triton.jit
 def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qsl_ptr, out_ptr,  # q, out [T, H, D]; qsl [batch + 1]
+    k_scale_ptr, v_scale_ptr,  # float32 [kv_heads]: an fp8 cache's scales (read if SCALED)
     qk_scale, num_seqs,  # softmax scale * log2(e); batch
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -35,6 +36,7 @@ def _varlen_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program (1: every token is its own query block)
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the interpreter multiplies bf16 bits wrongly)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32 rounding)
+    SCALED: tl.constexpr = False,  # K/V are fp8: multiply by the scales after loading
 ):
     # grid: which query block of the flat batch, which KV head; first, whose tokens the block holds
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
@@ -65,9 +67,10 @@ def _varlen_kernel(
     end = tl.minimum(seq_len, context + local + BLOCK_Q)
     k_cols = k_ptr + kv_head * stride_kh + dims[None, :] * stride_kd  # [1, HEAD_DIM_P]: this head, slot 0
     v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
+    k_scale, v_scale = tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)  # used if SCALED
     acc, l_i = _varlen_tiles(acc, l_i, m_i, q, q_pos, qk_scale, end, table_ptr + seq * stride_tb, stride_tn,
-                             k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs, dim_ok, BLOCK_SIZE,
-                             TILE, DOT_FP32, PRECISION)
+                             k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs, dim_ok, k_scale,
+                             v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED)
 
     o_offs = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -76,14 +79,16 @@ def _varlen_kernel(
 
 @triton.jit
 def _varlen_tiles(acc, l_i, m_i, q, q_pos, qk_scale, end, table_ptr, stride_tn, k_cols, stride_kb, stride_ks,
-                  v_cols, stride_vb, stride_vs, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                  v_cols, stride_vb, stride_vs, dim_ok, k_scale, v_scale, BLOCK_SIZE: tl.constexpr,
+                  TILE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
     # the inner loop: keys 0..end-1 in tiles of TILE, each row masked past its own position
     for tile_start in range(0, end, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [TILE] key positions in the sequence
         valid = pos < end  # masks the ragged last tile: slots past it are never read
         k, v = _kv_tile(table_ptr, stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
                         pos, valid, dim_ok, BLOCK_SIZE)  # [TILE, HEAD_DIM_P] each
+        if SCALED:  # fp8 -> fp32, times the scale, in registers; then q's dtype for the dots
+            k, v = (k.to(tl.float32) * k_scale).to(q.dtype), (v.to(tl.float32) * v_scale).to(q.dtype)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [rows, TILE], base-2 logits
@@ -124,31 +129,40 @@ def varlen_config(head_dim: int, group: int, decode: bool) -> dict[str, int]:
 
 def launch_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None, *,
-                  dot_fp32: bool | None = None) -> torch.Tensor:
+                  dot_fp32: bool | None = None, k_scale: float | torch.Tensor = 1.0,
+                  v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Launch the kernel on checked inputs, without a host synchronisation (the grid comes from shapes).
-    ``dot_fp32``: upcast dot operands (default: only in the interpreter)."""
+    ``dot_fp32``: upcast dot operands (default: only in the interpreter); the scales: as ``check_scales``
+    returns them."""
     (T, q_heads, head_dim), (_, block_size, kv_heads, _), batch = q.shape, k_cache.shape, seq_lens.shape[0]
     # T == batch: one token per sequence (each has >= 1), a decode step
     cfg = varlen_config(head_dim, q_heads // kv_heads, decode=T == batch)
     grid = (T if cfg["BLOCK_Q"] == 1 else T // cfg["BLOCK_Q"] + batch, kv_heads)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    scales = [s if isinstance(s, torch.Tensor) else torch.full((kv_heads,), s, device=q.device)
+              for s in (k_scale, v_scale)]  # float32 [kv_heads]: a fill, not a copy from the host
     with interpreter_lock():
         _varlen_kernel[grid](
             q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), out,
-            softmax_scale(head_dim, scale) * LOG2E, batch, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            *block_tables.stride(), *out.stride(), BLOCK_SIZE=block_size,
+            *scales, softmax_scale(head_dim, scale) * LOG2E, batch, *q.stride(), *k_cache.stride(),
+            *v_cache.stride(), *block_tables.stride(), *out.stride(), BLOCK_SIZE=block_size,
             DOT_FP32=interpreting() if dot_fp32 is None else dot_fp32,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg, num_warps=4)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=k_cache.dtype != q.dtype, **cfg,
+            num_warps=4)
     return out
 
 
 def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                  query_start_loc: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                                  query_start_loc: torch.Tensor, scale: float | None = None, *,
+                                  k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0
+                                  ) -> torch.Tensor:
     """``paged_attention_varlen`` with K/V read straight from the paged pool by one fused kernel, every
-    argument checked first. No backward pass: inputs that require grad are refused while autograd records."""
+    argument checked first; ``k_scale``, ``v_scale``: an fp8 cache's scales, as for the torch path.
+    No backward pass: inputs that require grad are refused while autograd records."""
     check_mode()
     check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
     check_triton(q, k_cache, v_cache, None, compiled=not interpreting())
     return launch_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                         softmax_scale(q.shape[-1], scale))
+                         softmax_scale(q.shape[-1], scale), k_scale=k_scale, v_scale=v_scale)
