@@ -148,3 +148,35 @@ def check_triton(q, k_cache, v_cache, num_splits, compiled: bool) -> int | None:
         raise ValueError("q, k_cache and v_cache must not require grad: the Triton kernel has no backward "
                          "pass (call it under torch.no_grad(), or pass detached tensors)")
     return None if num_splits is None else as_int("num_splits", num_splits, minimum=1, maximum=MAX_SPLITS)
+
+
+
+def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
+                        ) -> tuple[list[int], list[int]]:
+    """``paged_attention_varlen``'s arguments (two device syncs) -> ``(seq_lens, query_start_loc)`` as
+    lists: ``query_start_loc`` starts at 0, rises by >= 1 per sequence to ``T``, and no sequence has more
+    new tokens than ``seq_lens`` stores."""
+    qsl = query_start_loc
+    got = f"{qsl.dtype} {list(qsl.shape)}" if isinstance(qsl, torch.Tensor) else _got(qsl)
+    refuse((not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < 1,
+            f"q must be a tensor of shape [T >= 1, q_heads, head_dim] (the new tokens of every sequence), "
+            f"got {_got(q)}"),
+           (not isinstance(qsl, torch.Tensor) or qsl.dtype != torch.int32 or qsl.dim() != 1 or len(qsl) < 2,
+            f"query_start_loc must be an int32 tensor of shape [batch + 1] (batch >= 1), got {got}"))
+    refuse((qsl.device != q.device, f"query_start_loc must be on q's device {q.device}, got {qsl.device}"),
+           (isinstance(seq_lens, torch.Tensor) and list(seq_lens.shape) != [len(qsl) - 1],
+            f"seq_lens must hold one length per sequence of query_start_loc, [batch={len(qsl) - 1}], got "
+            f"{_got(seq_lens)}"))
+    starts, T = qsl.tolist(), q.shape[0]
+    new = [b - a for a, b in zip(starts, starts[1:])]
+    shown = starts if len(starts) <= 10 else [*starts[:10], "..."]
+    refuse((starts[0] != 0 or min(new) < 1 or starts[-1] != T,
+            f"query_start_loc must rise from 0 by at least 1 per sequence to T = {T} (q's rows), "
+            f"got {shown}"))
+    check_paged_inputs(q[: len(new)], k_cache, v_cache, block_tables, seq_lens)
+    lens = seq_lens.tolist()
+    for b, (n, m) in enumerate(zip(lens, new)):
+        if m > n:
+            raise ValueError(f"sequence {b} has {m} new tokens in q but seq_lens[{b}] = {n} (its cached plus "
+                             "new tokens) is smaller")
+    return lens, starts

@@ -1,0 +1,161 @@
+"""Attention for a flat batch of query tokens (decodes, whole prompts, chunks of prompts after cached
+tokens, mixed): the torch path and the Triton kernel (interpreter on a CPU) equal the float64 oracle and
+SDPA with a causal mask; decode-only batches equal the decode paths; bad input is refused.
+
+Shapes stay tiny: the interpreter executes every Triton op with numpy, one program at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
+from pagedlib.kernels.varlen import paged_attention_varlen, paged_attention_varlen_oracle
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def varlen_case(cached: list[int], new: list[int], *, block_size: int, kv_heads: int = 2, group: int = 2,
+                head_dim: int = 16, dtype: torch.dtype = torch.float32, share: bool = False, seed: int = 0
+                ) -> tuple[PagedKVCache, tuple[torch.Tensor, ...]]:
+    """A 2-layer cache (blocks in a random order, NaN in every unused slot) where sequence ``s`` holds
+    ``cached[s]`` tokens then its ``new[s]`` new ones, and the varlen arguments for layer 1. ``share``:
+    sequences 1.. are forks of sequence 0 taken after its cached tokens (a prefix-cache hit: their first
+    blocks are sequence 0's), so their cached tokens are ``cached[0] + cached[s]``."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(cached[0] + c + n) // block_size) + 1 for c, n in zip(cached, new)) + 3
+    cache = PagedKVCache(num_blocks, 2, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE,
+                         free_order=torch.randperm(num_blocks, generator=g).tolist(), fill=float("nan"))
+
+    def append(s: int, n: int) -> None:
+        if n:
+            k, v = torch.randn(2, 2, n, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+            cache.append_tokens(s, k, v)
+
+    cache.add_sequence(0)
+    append(0, cached[0])
+    for s in range(1, len(cached)):
+        cache.fork(0, s) if share else cache.add_sequence(s)
+        append(s, cached[s])
+    for s, n in enumerate(new):
+        append(s, n)
+    seqs = list(range(len(new)))
+    q = torch.randn(sum(new), kv_heads * group, head_dim, generator=g).to(DEVICE, dtype)
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return cache, (q, *cache.layer(1), cache.block_table(seqs), cache.seq_lens_tensor(seqs), qsl)
+
+
+def sdpa_reference(cache: PagedKVCache, args: tuple) -> torch.Tensor:
+    """Per sequence, SDPA in float32 on contiguous copies of its K/V with a causal mask aligned to its
+    last positions (query ``i`` of ``m`` new tokens sits at ``n - m + i``)."""
+    q, starts = args[0], args[5].tolist()
+    out = []
+    for s in range(len(starts) - 1):
+        k, v = (x[1].float().transpose(0, 1)[None] for x in cache.gather(s))   # [1, kv_heads, n, D]
+        m, n = starts[s + 1] - starts[s], k.shape[2]
+        mask = torch.arange(n, device=q.device) <= torch.arange(n - m, n, device=q.device)[:, None]  # [m, n]
+        qs = q[starts[s]:starts[s + 1]].float().transpose(0, 1)[None]          # [1, q_heads, m, D]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)  # [1, q_heads, m, D]
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def check(out: torch.Tensor, cache: PagedKVCache, args: tuple) -> None:
+    q = args[0]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "NaN from an unused slot leaked into the result"
+    assert rel_error(out, paged_attention_varlen_oracle(*args)) < REL_ERROR_LIMITS[q.dtype]
+    torch.testing.assert_close(out.float(), sdpa_reference(cache, args), **TOLERANCES[q.dtype])
+
+
+@st.composite
+def batches(draw, max_seqs: int = 4, max_cached: int = 40, max_new: int = 24, head_dims=(16, 32, 80)):
+    n = draw(st.integers(1, max_seqs))
+    return {"cached": draw(st.lists(st.integers(0, max_cached), min_size=n, max_size=n)),
+            "new": draw(st.lists(st.one_of(st.just(1), st.integers(1, max_new)), min_size=n, max_size=n)),
+            "block_size": draw(st.sampled_from([1, 2, 4, 8, 16, 32])), "kv_heads": draw(st.integers(1, 2)),
+            "group": draw(st.sampled_from([1, 2, 3, 4])), "head_dim": draw(st.sampled_from(head_dims)),
+            "dtype": draw(st.sampled_from(DTYPES)), "share": draw(st.booleans()),
+            "seed": draw(st.integers(0, 2**16))}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_torch_path_equals_the_oracle_and_sdpa_on_mixed_batches(case):
+    cache, args = varlen_case(**case)
+    check(paged_attention_varlen(*args), cache, args)
+
+
+# (cached, new) per sequence at block size 4: chunks that start and end on block boundaries and mid-block
+BOUNDARY = [([0], [8]), ([4], [4]), ([4], [3]), ([5], [3]), ([6], [5]), ([3], [1]), ([0], [1]),
+            ([0, 8, 3, 7], [1, 4, 9, 1]), ([12, 0], [1, 13]), ([2, 2], [2, 6])]
+
+
+@pytest.mark.parametrize("cached,new", BOUNDARY)
+def test_torch_path_on_block_boundaries(cached, new):
+    cache, args = varlen_case(cached, new, block_size=4)
+    check(paged_attention_varlen(*args), cache, args)
+
+
+def test_prefix_cached_sequences_read_the_shared_blocks():
+    cache, args = varlen_case([8, 0, 3], [4, 5, 1], block_size=4, share=True)
+    tables = args[3]
+    assert tables[1, 0] == tables[0, 0] == tables[2, 0] and tables[1, 1] == tables[0, 1]  # shared prefix
+    check(paged_attention_varlen(*args), cache, args)
+
+
+def test_decode_only_equals_paged_attention():
+    cache, args = varlen_case([0, 16, 44, 3], [1, 1, 1, 1], block_size=8, group=4, head_dim=32)
+    q, k_cache, v_cache, tables, lens, _ = args
+    out = paged_attention_varlen(*args)
+    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, tables, lens), **TOLERANCES[q.dtype])
+    check(out, cache, args)
+
+
+def test_rows_follow_query_start_loc_whatever_the_order_of_decodes_and_chunks():
+    cache, args = varlen_case([9, 4, 0, 20], [6, 1, 3, 1], block_size=4)
+    check(paged_attention_varlen(*args), cache, args)
+
+
+def _bad_inputs():
+    """(what, change to the arguments, a fragment of the error) for each refused input."""
+    def with_(i, value):
+        return lambda a: (*a[:i], value(a) if callable(value) else value, *a[i + 1:])
+
+    i32 = torch.int32
+    return [
+        ("q 2-D", with_(0, lambda a: a[0][0]), "q must be a tensor of shape [T >= 1, q_heads, head_dim]"),
+        ("q empty", with_(0, lambda a: a[0][:0]), "q must be a tensor of shape [T >= 1"),
+        ("q list", with_(0, [[1.0]]), "q must be a tensor of shape"),
+        ("qsl int64", with_(5, lambda a: a[5].long()), "query_start_loc must be an int32 tensor"),
+        ("qsl list", with_(5, [0, 1, 2]), "query_start_loc must be an int32 tensor of shape [batch + 1]"),
+        ("qsl one entry", with_(5, lambda a: a[5][:1]), "query_start_loc must be an int32 tensor"),
+        ("qsl from 1", with_(5, lambda a: a[5] + 1), "query_start_loc must rise from 0"),
+        ("qsl short of T", with_(5, lambda a: torch.tensor([0, 1, 2], dtype=i32)), "to T = 7 (q's rows)"),
+        ("qsl flat", with_(5, lambda a: torch.tensor([0, 0, 7], dtype=i32)), "by at least 1 per sequence"),
+        ("seq_lens short", with_(4, lambda a: a[4][:1]), "seq_lens must hold one length per sequence"),
+        ("more new than stored", with_(4, lambda a: torch.tensor([5, 2], dtype=i32)),
+         "sequence 1 has 3 new tokens in q but seq_lens[1] = 2"),
+        ("seq_lens int64", with_(4, lambda a: a[4].long()), "seq_lens must be an int32 tensor"),
+        ("bad block id", with_(3, lambda a: a[3].masked_fill(a[3] >= 0, 999)), "is not a block id"),
+        ("k dtype", with_(1, lambda a: a[1].double()), "k_cache must have q's dtype"),
+        ("v shape", with_(2, lambda a: a[2][:, :2]), "v_cache must have k_cache's shape"),
+        ("heads", with_(0, lambda a: a[0][:, :3]), "q_heads (3) must be a multiple of the cache's kv_heads"),
+    ]
+
+
+@pytest.mark.parametrize("what,change,message", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
+def test_bad_input_is_refused_with_a_message_naming_it(what, change, message):
+    _, args = varlen_case([1, 0], [4, 3], block_size=4)
+    with pytest.raises(ValueError, match=None) as err:
+        paged_attention_varlen(*change(args))
+    assert message in str(err.value)
+    with pytest.raises(ValueError, match="scale must be None or a finite number"):
+        paged_attention_varlen(*args, scale=float("nan"))
