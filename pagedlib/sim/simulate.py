@@ -174,8 +174,9 @@ def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: in
     max_num_seqs = min(max_num_seqs, max(1, len(requests)))  # no more can run: the cap must not size memory
     extra = 0 if policy == "paged" else max_num_seqs  # a slab's tokens can straddle one block more
     cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching)
-    chunked = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens,
-                                                         "long_prefill_token_threshold": long_prefill_token_threshold}
+    budget_keys = ("max_num_batched_tokens", max_num_batched_tokens), \
+        ("long_prefill_token_threshold", long_prefill_token_threshold)
+    chunked = {} if max_num_batched_tokens is None else dict(budget_keys)
     sched = (ChunkedScheduler if chunked else Scheduler)(
         cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark, max_model_len=max_model_len,
         kv_budget_blocks=budget, sliding_window=sliding_window,
