@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedlib import checks
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.kernels.varlen import paged_attention_varlen
+from pagedlib.kernels.varlen import attend_varlen
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class LlamaShape:
 
 @dataclass
 class Step:
-    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and the kernel."""
+    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and how they attend."""
 
     seq_ids: list[Hashable]
     tokens: torch.Tensor              # int64 [T]
@@ -65,7 +65,17 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's tokens are rows [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    attend: Callable[..., torch.Tensor]   # paged_attention_varlen's arguments
+    lens: list[int]                   # seq_lens and query_start_loc as lists (for the torch path)
+    starts: list[int]
+    kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same. The
+        torch path skips ``paged_attention_varlen``'s checks: the step's inputs are built here, once."""
+        if self.kernel is not None:
+            return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc)
+        return attend_varlen(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.lens, self.starts,
+                             q.shape[-1] ** -0.5)
 
 
 class RMSNorm(nn.Module):
@@ -99,11 +109,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attention_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor]:
-    """``paged_attention_varlen`` (``"torch"``) or its Triton twin (``"triton"``: imported when asked)."""
+def attention_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor] | None:
+    """``None`` for ``"torch"`` (``Step.attend`` calls ``attend_varlen``), or ``paged_attention_varlen``'s
+    Triton twin (``"triton"``: imported when asked)."""
     checks.check_attention(attention)
     if attention == "torch":
-        return paged_attention_varlen
+        return None
     from pagedlib.kernels import triton_decode
 
     if head_dim > triton_decode.MAX_HEAD_DIM:
@@ -136,7 +147,7 @@ class Attention(nn.Module):
         k_pool, v_pool = cache.layer(self.layer)                       # [num_blocks, block_size, Hkv, D]
         k_pool[step.blocks, step.offsets] = k                          # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
-        out = step.attend(q, k_pool, v_pool, step.block_tables, step.seq_lens, step.query_start_loc)  # like q
+        out = step.attend(q, k_pool, v_pool)                                           # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -230,13 +241,13 @@ class PagedLlama(nn.Module):
         after each chunk's last token. ``OutOfBlocksError`` (nothing changed) if the pool cannot hold every
         chunk; if the forward pass fails, free the sequences."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
-        attend = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
+        kernel = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
         cache.reserve(seq_ids, [len(c) for c in chunks], [t for c in chunks for t in c])
-        return self._forward(self._step(cache, seq_ids, starts, chunks, attend), cache)
+        return self._forward(self._step(cache, seq_ids, starts, chunks, kernel), cache)
 
     def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int], chunks: list[list[int]],
-              attend: Callable[..., torch.Tensor]) -> Step:
+              kernel: Callable[..., torch.Tensor] | None) -> Step:
         """The ``Step`` of tokens ``chunks[i]`` placed at positions ``starts[i]...`` (already reserved)."""
         dev, bs = self.device, cache.block_size
         flat, pos, rows, loc = [], [], [], [0]
@@ -248,9 +259,10 @@ class PagedLlama(nn.Module):
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)                  # [T]
         tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
         blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
+        lens = [start + len(c) for start, c in zip(starts, chunks)]
         return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
                     positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
-                    cache.seq_lens_tensor(seq_ids), attend)
+                    torch.tensor(lens, dtype=torch.int32, device=dev), lens, loc, kernel)
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
