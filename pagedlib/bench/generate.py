@@ -204,3 +204,38 @@ def _run(args: argparse.Namespace) -> int:
         env = {**environment(device), "transformers": transformers.__version__}
         write_json(args.json, {"settings": vars(args), "environment": env, "rows": rows})
     return 0
+
+
+def measure_steps(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[int, int, float]]:
+    """Serve ``prompts`` on ``engine`` one ``step()`` at a time: per step, (new tokens, K/V tokens the step's
+    attention reads, wall-clock seconds), for fitting ``sim.simulate.StepCost``."""
+    import time
+
+    seen, run = [], engine.model.step
+
+    def step(cache: Any, ids: list, chunks: list, **kwargs: Any) -> torch.Tensor:  # counts, then runs
+        seen.append((sum(map(len, chunks)), sum(cache.seq_lens[i] + len(c) for i, c in zip(ids, chunks))))
+        return run(cache, ids, chunks, **kwargs)
+
+    rows, engine.model.step = [], step  # an instance attribute: the class's method is untouched
+    try:
+        for p in prompts:
+            engine.add_request(p, new_tokens)
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            rows.append((*seen.pop(), time.perf_counter() - start))
+    finally:
+        del engine.model.step
+    return rows
+
+
+def fit_step_cost(rows: list[tuple[int, int, float]]) -> Any:
+    """Least-squares ``StepCost`` (seconds = fixed + per_token * tokens + per_context * context) of
+    ``measure_steps``' rows."""
+    import numpy as np
+
+    from pagedlib.sim.simulate import StepCost
+
+    x = np.array([(1.0, t, c) for t, c, _ in rows])
+    return StepCost(*np.linalg.lstsq(x, np.array([s for *_, s in rows]), rcond=None)[0].tolist())
