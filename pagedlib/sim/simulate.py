@@ -89,16 +89,17 @@ class SimResult:
 
     def latencies(self, cost: StepCost | None = None) -> dict[str, np.ndarray]:
         """``ttft`` per request (from the start of its arrival step to the end of the step that sampled its
-        first token) and every ``itl`` (between a request's consecutive tokens), in steps or, under ``cost``,
-        modelled seconds."""
+        first token) and every ``itl`` (between a request's consecutive tokens, ended at ``itl_at``), in
+        steps or, under ``cost``, modelled seconds."""
         s = self.series
         took = np.ones(len(s["step"])) if cost is None else \
             cost.fixed + cost.per_token * s["tokens"] + cost.per_context * s["context"]
         end = dict(zip(s["step"].tolist(), np.cumsum(took).tolist()))           # step -> clock at its end
         start = {k: t - d for (k, t), d in zip(end.items(), took.tolist())}
         ttft = [end[r.token_steps[0]] - start[r.arrival] for r in self.requests]
-        itl = [b - a for r in self.requests for a, b in itertools.pairwise(end[k] for k in r.token_steps)]
-        return {"ttft": np.array(ttft), "itl": np.array(itl)}
+        pairs = [(a, b) for r in self.requests for a, b in itertools.pairwise(end[k] for k in r.token_steps)]
+        return {"ttft": np.array(ttft), "itl": np.array([b - a for a, b in pairs]),
+                "itl_at": np.array([b for _, b in pairs])}  # when the later token of each gap came
 
     def row(self) -> dict[str, Any]:
         """The scalar results, rounded for a table or JSON."""
