@@ -64,9 +64,10 @@ def test_decode_kernel_compiles(compiled, arch, dtype, head_dim, block_size, gro
     assert ".entry _paged_decode_kernel" in ptx
     if dtype == "float32":  # exact fp32 products (input_precision="ieee"): no TF32 tensor-core rounding
         assert "mma." not in ptx
-    else:  # fp16/bf16 dots run on tensor cores, accumulating in fp32
+    else:  # fp16/bf16 dots run on tensor cores, accumulating in fp32 (Hopper's wgmma for 64-row tiles)
         t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx or \
+            re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{t}\.{t}", ptx)
     # K/V tiles move in 16-byte pieces per thread (vectorised along head_dim), however big the block
     async_16b = re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
     assert async_16b or "ld.global.v4" in ptx
@@ -106,3 +107,68 @@ def test_what_notebook_05_prints_does_not_depend_on_the_checkout(compiled, tmp_p
     assert f'"{clone}/pagedlib/kernels/triton_decode.py"' in there["ptx"]  # compiled from the clone's source
     assert ptx_instructions(there["ptx"]) == ptx_instructions(here["ptx"])
     assert ptx_excerpt(there["ptx"]) == ptx_excerpt(here["ptx"])
+
+
+# the unified varlen kernel (notebook 09): (dtype, head_dim, block_size, group, decode step?)
+VARLEN = [
+    ("float16", 128, 16, 4, False),
+    ("bfloat16", 128, 16, 4, True),
+    ("float32", 64, 128, 1, False),
+    ("bfloat16", 80, 1, 8, False),
+    ("float16", 96, 8, 5, True),
+    ("float16", 256, 32, 2, False),
+    ("bfloat16", 112, 64, 16, False),
+]
+# compiled as a real launch specialises it: pointers and strides divisible by 16, unit strides constant
+_VARLEN_COMPILE = r"""
+import json, sys, time, torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedlib.kernels.triton_varlen import _varlen_kernel, varlen_config
+
+fn, out = _varlen_kernel, []
+unit = {"stride_qd", "stride_kd", "stride_vd", "stride_tn", "stride_od"}
+for spec in json.load(sys.stdin):
+    ty = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec["dtype"]]
+    ints = {"table_ptr", "lens_ptr", "qsl_ptr"}
+    sig = {n: ("*i32" if n in ints else "*" + ty) if n.endswith("_ptr") else "fp32" if n == "qk_scale"
+           else "i32" for n in fn.arg_names}
+    consts = {**varlen_config(spec["head_dim"], spec["group"], spec["decode"]), **dict.fromkeys(unit, 1),
+              "BLOCK_SIZE": spec["block_size"], "DOT_FP32": False,
+              "PRECISION": "ieee" if spec["dtype"] == "float32" else "tf32"}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if n.endswith("_ptr") or (n.startswith("stride_") and n not in unit and n != "stride_tb")}
+    t0 = time.perf_counter()
+    c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", spec["arch"], 32),
+                       options={"num_warps": 4})
+    out.append({**spec, "ptx": c.asm["ptx"], "seconds": time.perf_counter() - t0})
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_varlen() -> dict[tuple, str]:
+    specs = [{"arch": a, "dtype": d, "head_dim": hd, "block_size": bs, "group": g, "decode": dec}
+             for a in ARCHS for d, hd, bs, g, dec in VARLEN]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", _VARLEN_COMPILE], input=json.dumps(specs), cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {(r["arch"], r["dtype"], r["head_dim"], r["block_size"], r["group"], r["decode"]): r["ptx"]
+            for r in json.loads(proc.stdout)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,head_dim,block_size,group,decode", VARLEN)
+def test_varlen_kernel_compiles(compiled_varlen, arch, dtype, head_dim, block_size, group, decode):
+    ptx = compiled_varlen[(arch, dtype, head_dim, block_size, group, decode)]
+    assert f".target sm_{arch}" in ptx and ".entry _varlen_kernel" in ptx
+    if dtype == "float32":  # exact fp32 products: no TF32 tensor-core rounding
+        assert "mma." not in ptx
+    else:  # fp16/bf16 dots run on tensor cores, accumulating in fp32 (Hopper's wgmma for 64-row tiles)
+        t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx or \
+            re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{t}\.{t}", ptx)

@@ -18,6 +18,13 @@ from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
 from pagedlib.kernels.varlen import paged_attention_varlen, paged_attention_varlen_oracle
 
+# after pagedlib, which picks Triton's mode before triton's first import
+pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
+from pagedlib.kernels.triton_decode import paged_attention_triton
+from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
+
+IMPLS = {"torch": paged_attention_varlen, "triton": paged_attention_varlen_triton}
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -93,35 +100,53 @@ def test_torch_path_equals_the_oracle_and_sdpa_on_mixed_batches(case):
     check(paged_attention_varlen(*args), cache, args)
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(max_seqs=3, max_cached=24, max_new=12, head_dims=(16, 80)))
+def test_triton_kernel_equals_the_oracle_and_sdpa_on_mixed_batches(case):
+    cache, args = varlen_case(**case)
+    check(paged_attention_varlen_triton(*args), cache, args)
+
+
 # (cached, new) per sequence at block size 4: chunks that start and end on block boundaries and mid-block
 BOUNDARY = [([0], [8]), ([4], [4]), ([4], [3]), ([5], [3]), ([6], [5]), ([3], [1]), ([0], [1]),
             ([0, 8, 3, 7], [1, 4, 9, 1]), ([12, 0], [1, 13]), ([2, 2], [2, 6])]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("cached,new", BOUNDARY)
-def test_torch_path_on_block_boundaries(cached, new):
+def test_chunks_on_and_off_block_boundaries(impl, cached, new):
     cache, args = varlen_case(cached, new, block_size=4)
-    check(paged_attention_varlen(*args), cache, args)
+    check(IMPLS[impl](*args), cache, args)
 
 
-def test_prefix_cached_sequences_read_the_shared_blocks():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefix_cached_sequences_read_the_shared_blocks(impl):
     cache, args = varlen_case([8, 0, 3], [4, 5, 1], block_size=4, share=True)
     tables = args[3]
     assert tables[1, 0] == tables[0, 0] == tables[2, 0] and tables[1, 1] == tables[0, 1]  # shared prefix
-    check(paged_attention_varlen(*args), cache, args)
+    check(IMPLS[impl](*args), cache, args)
 
 
-def test_decode_only_equals_paged_attention():
-    cache, args = varlen_case([0, 16, 44, 3], [1, 1, 1, 1], block_size=8, group=4, head_dim=32)
-    q, k_cache, v_cache, tables, lens, _ = args
-    out = paged_attention_varlen(*args)
-    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, tables, lens), **TOLERANCES[q.dtype])
-    check(out, cache, args)
-
-
-def test_rows_follow_query_start_loc_whatever_the_order_of_decodes_and_chunks():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rows_follow_query_start_loc_whatever_the_order_of_decodes_and_chunks(impl):
     cache, args = varlen_case([9, 4, 0, 20], [6, 1, 3, 1], block_size=4)
-    check(paged_attention_varlen(*args), cache, args)
+    check(IMPLS[impl](*args), cache, args)
+
+
+# dtype, head_dim, block_size, group, cached lengths: decode-only batches (one new token per sequence)
+DECODE = [(torch.float32, 32, 8, 4, [0, 16, 44, 3]), (torch.float16, 64, 1, 1, [5, 0]),
+          (torch.bfloat16, 80, 16, 3, [31, 2]), (torch.float16, 256, 128, 2, [130, 7])]
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,group,cached", DECODE)
+def test_decode_only_batches_equal_the_decode_paths(dtype, head_dim, block_size, group, cached):
+    cache, args = varlen_case(cached, [1] * len(cached), block_size=block_size, group=group,
+                              head_dim=head_dim, dtype=dtype)
+    dargs = args[:5]
+    torch.testing.assert_close(paged_attention_varlen(*args), paged_attention(*dargs), **TOLERANCES[dtype])
+    out = paged_attention_varlen_triton(*args)
+    torch.testing.assert_close(out, paged_attention_triton(*dargs, num_splits=1), **TOLERANCES[dtype])
+    check(out, cache, args)
 
 
 def _bad_inputs():
@@ -151,11 +176,76 @@ def _bad_inputs():
     ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("what,change,message", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
-def test_bad_input_is_refused_with_a_message_naming_it(what, change, message):
+def test_bad_input_is_refused_with_a_message_naming_it(impl, what, change, message):
     _, args = varlen_case([1, 0], [4, 3], block_size=4)
-    with pytest.raises(ValueError, match=None) as err:
-        paged_attention_varlen(*change(args))
+    with pytest.raises(ValueError) as err:
+        IMPLS[impl](*change(args))
     assert message in str(err.value)
     with pytest.raises(ValueError, match="scale must be None or a finite number"):
-        paged_attention_varlen(*args, scale=float("nan"))
+        IMPLS[impl](*args, scale=float("nan"))
+
+
+def test_the_kernel_refuses_what_it_cannot_run():
+    _, args = varlen_case([3], [2], block_size=3)
+    paged_attention_varlen(*args)  # the torch path takes any block size
+    with pytest.raises(ValueError, match="block_size must be a power of two from 1 to 128, got 3"):
+        paged_attention_varlen_triton(*args)
+    _, args = varlen_case([3], [2], block_size=4)
+    q = args[0].clone().requires_grad_()
+    with pytest.raises(ValueError, match="must not require grad: the Triton kernel has no backward pass"):
+        paged_attention_varlen_triton(q, *args[1:])
+    with torch.no_grad():
+        assert torch.isfinite(paged_attention_varlen_triton(q, *args[1:])).all()
+
+
+def test_attention_benchmark_times_mixed_steps(tmp_path):
+    import json
+
+    from pagedlib.bench.__main__ import main
+
+    path = tmp_path / "attention.json"
+    argv = ["attention", "--batch", "3", "--context", "24", "--q-heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--block-size", "4", "--chunks", "5,24", "--no-sweeps", "--repeats", "2",
+            "--json", str(path)]
+    assert main(argv) == 0
+    mixed = json.loads(path.read_text())["mixed"]
+    assert [(r["impl"], r["chunk"]) for r in mixed] == [(i, c) for c in (5, 24) for i in
+                                                         ("varlen", "split", "contiguous")]
+    for r in mixed:  # GB/s: every cached token once; speedup: contiguous time / time, at the same chunk
+        base = next(b for b in mixed if b["impl"] == "contiguous" and b["chunk"] == r["chunk"])
+        assert r["speedup vs SDPA (x faster)"] == pytest.approx(base["ms"] / r["ms"])
+        assert r["GB/s"] == pytest.approx(2 * 3 * 24 * 2 * 16 * 4 / (r["ms"] / 1e3) / 1e9)
+
+
+def test_attention_benchmark_refuses_a_chunk_longer_than_the_context(capsys):
+    from pagedlib.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["attention", "--context", "64", "--chunks", "8,65"])
+    assert exit_info.value.code == 2
+    assert "each chunk must be <= --context (64), got 65" in capsys.readouterr().err
+
+
+def test_gpu_benchmark_varlen_parts_on_tiny_cpu_tensors():
+    """The unified kernel's correctness phase and prefill table, with a stand-in timer."""
+    from pagedlib.bench import gpu
+
+    checks = gpu.varlen_correctness(DEVICE, [(torch.float16, 64, 4, 2, [(9, 1), (0, 6), (5, 7)]),
+                                             (torch.bfloat16, 80, 8, 1, [(3, 1)])])
+    assert len(checks) == 2 and all(c["ok"] for c in checks), checks
+
+    def cpu_timer(calls, inner, repeats, graph=True):
+        assert all(torch.isfinite(c()).all() for c in calls)
+        return (2e-3 if graph else 1e-3), "cpu stand-in"
+
+    shape = gpu.Shape(batch=2, context=12, q_heads=4, kv_heads=2, head_dim=16, block_size=4)
+    pool = gpu.Pool(0.0002, shape, device=DEVICE)
+    rows = gpu.prefill_rows(shape, pool, torch.Generator(device=DEVICE).manual_seed(0), timer=cpu_timer)
+    assert [r["method"] for r in rows] == list(gpu.PREFILL_METHODS)
+    by = {r["method"]: r for r in rows}
+    assert by["triton varlen"]["tokens/s"] == pytest.approx(24 / 2e-3)
+    assert by["torch varlen"][gpu.SPEEDUP] == pytest.approx(2.0)  # eager 1 ms vs graph 2 ms
+    md = gpu.markdown_report([], {"device_name": "x"}, 1.0, checks, rows)
+    assert "## Prefill" in md and md.count("\n| 2 | 12 |") == len(gpu.PREFILL_METHODS)

@@ -10,6 +10,12 @@ Decode rows: ``reference`` (the per-token loop), ``paged`` (``paged_attention`` 
 ``paged-whole-batch`` (the whole batch in one chunk, ``chunk_bytes=math.inf``) and ``contiguous``. The
 paged pool is fragmented on purpose: blocks are handed out in a random order, as in a server that has
 been running for a while, so a sequence's blocks are scattered over the pool.
+
+Mixed rows (notebook 09): one layer of a step that holds ``batch - 1`` decodes and one prefill chunk,
+the last ``chunk`` of the last sequence's ``context`` tokens. ``varlen`` is ``paged_attention_varlen``
+(one call for the whole step), ``split`` the two calls of a phase-separated engine (``paged_attention``
+for the decodes, ``paged_prefill_attention`` for the chunk), ``contiguous`` SDPA on contiguous copies, two
+calls (the chunk with a causal mask aligned to its last positions).
 """
 
 from __future__ import annotations
@@ -46,10 +52,13 @@ from pagedlib.kernels.attention import (
     paged_attention,
     paged_prefill_attention,
     reference_paged_attention,
+    sliding_window_mask,
 )
+from pagedlib.kernels.varlen import paged_attention_varlen
 
 SPEEDUP = "speedup vs SDPA (x faster)"  # contiguous SDPA's time / the row's time, at the same point
 COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", SPEEDUP, "spread"]
+MIXED_COLUMNS = ["impl", "batch", "context", "chunk", "ms", "GB/s", SPEEDUP, "spread"]
 DECODE_IMPLS = ("reference", "paged", "paged-whole-batch", "contiguous")
 
 
@@ -156,6 +165,34 @@ def prefill_rows(cfg: AttentionConfig, repeats: int = 10) -> list[dict[str, Any]
     return _rows(cfg, "prefill", timings, kv_bytes(x["lens"], cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]))
 
 
+def mixed_rows(cfg: AttentionConfig, chunk: int, repeats: int = 10) -> list[dict[str, Any]]:
+    """Time one layer of a mixed step (see the module docstring): ``cfg.batch - 1`` decodes of
+    ``cfg.context`` tokens and a prefill chunk of ``chunk`` new tokens (``chunk <= cfg.context``)."""
+    x, d = make_inputs(cfg), cfg.batch - 1
+    (k_cache, v_cache), tables, lens, k, v = x["cache"].layer(0), x["tables"], x["lens"], x["k"], x["v"]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(d + chunk, cfg.q_heads, cfg.head_dim, generator=g).to(cfg.device, DTYPES[cfg.dtype])
+    qsl = torch.tensor([*range(d + 1), d + chunk], dtype=torch.int32, device=cfg.device)   # [batch + 1]
+    mask = sliding_window_mask(chunk, cfg.context, cfg.context, device=cfg.device)  # [chunk, context]
+    qc = q[d:].transpose(0, 1)[None]                                           # [1, q_heads, chunk, D]
+
+    def split() -> None:
+        if d:
+            paged_attention(q[:d], k_cache, v_cache, tables[:d], lens[:d])
+        paged_prefill_attention(q[d:], k_cache, v_cache, tables[d], cfg.context)
+
+    def contiguous() -> None:
+        if d:
+            contiguous_attention(q[:d, :, None], k[:d], v[:d])
+        torch.nn.functional.scaled_dot_product_attention(qc, k[d:], v[d:], attn_mask=mask, enable_gqa=True)
+
+    fns = {"varlen": lambda: paged_attention_varlen(q, k_cache, v_cache, tables, lens, qsl), "split": split,
+           "contiguous": contiguous}
+    timings = time_interleaved(fns, dict.fromkeys(fns, repeats), cfg.device)
+    rows = _rows(cfg, "mixed", timings, kv_bytes(lens, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]))
+    return [{**r, "chunk": chunk} for r in rows]
+
+
 def sweep(cfg: AttentionConfig, field: str, values: list[int], repeats: int = 20) -> list[dict[str, Any]]:
     """Decode, paged vs contiguous, for each value of ``field`` (``"block_size"`` or ``"context"``).
     Contiguous SDPA does not depend on the block size: there it is a control."""
@@ -164,8 +201,9 @@ def sweep(cfg: AttentionConfig, field: str, values: list[int], repeats: int = 20
 
 
 def run(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], repeats: int = 20,
-        sweeps: bool = True) -> dict[str, Any]:
-    """The whole benchmark: decode at batch 1 and ``cfg.batch``, prefill, and (with ``sweeps``) the
+        sweeps: bool = True, chunks: list[int] | None = None) -> dict[str, Any]:
+    """The whole benchmark: decode at batch 1 and ``cfg.batch``, prefill, mixed steps with prefill chunks
+    of ``chunks`` tokens (default: a quarter of the context and all of it), and (with ``sweeps``) the
     block-size and context sweeps. Returns rows grouped by table, with the environment."""
     decode = decode_rows(replace(cfg, batch=1), repeats=repeats)
     if cfg.batch != 1:
@@ -173,6 +211,8 @@ def run(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], repea
     result: dict[str, Any] = {"environment": {**environment(cfg.device), "load_average": os.getloadavg()},
                               "config": asdict(cfg), "decode": decode,
                               "prefill": prefill_rows(cfg, repeats=max(3, repeats // 2))}
+    chunks = chunks or [max(1, cfg.context // 4), cfg.context]
+    result["mixed"] = [r for c in chunks for r in mixed_rows(cfg, c, repeats=max(3, repeats // 2))]
     if sweeps:
         result["block_size_sweep"] = sweep(cfg, "block_size", block_sizes, repeats)
         result["context_sweep"] = sweep(cfg, "context", contexts, repeats)
@@ -188,7 +228,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block sizes of the sweep, comma-separated")
     parser.add_argument("--contexts", type=int_list, default=[128, 256, 512, 1024, 2048, 4096],
                         help="contexts of the sweep, comma-separated")
-    parser.add_argument("--no-sweeps", action="store_true", help="only the decode and prefill tables")
+    parser.add_argument("--chunks", type=int_list, default=None,
+                        help="prefill chunks of the mixed table, comma-separated, each <= --context "
+                             "(default: context/4 and context)")
+    parser.add_argument("--no-sweeps", action="store_true", help="only the decode, prefill and mixed tables")
     add_run_arguments(parser, repeats=20, repeats_help="timed calls per implementation")
 
 
@@ -197,18 +240,24 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: --q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})",
               file=sys.stderr)
         raise SystemExit(2)
+    if args.chunks and max(args.chunks) > args.context:
+        print(f"error: argument --chunks: each chunk must be <= --context ({args.context}), got "
+              f"{max(args.chunks)}", file=sys.stderr)
+        raise SystemExit(2)
     cfg = AttentionConfig(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
                           args.block_size, args.dtype, default_device(args.device))
     with num_threads(args.threads):
-        result = run(cfg, args.block_sizes, args.contexts, args.repeats, sweeps=not args.no_sweeps)
+        result = run(cfg, args.block_sizes, args.contexts, args.repeats, sweeps=not args.no_sweeps,
+                     chunks=args.chunks)
     env = result["environment"]
     print(f"{cfg.device} ({env.get('device_name', env['processor'])}), torch {env['torch']}, "
           f"{env['torch_threads']} threads, load average {env['load_average'][0]:.1f}; {asdict(cfg)}; "
           f"medians of interleaved calls, caches flushed; {SPEEDUP} = contiguous SDPA's time / the row's\n")
     titles = {"decode": "decode (one layer)", "prefill": "prefill (causal, one prompt)",
+              "mixed": "mixed step (one layer): batch - 1 decodes + one prefill chunk",
               "block_size_sweep": "decode vs block size", "context_sweep": "decode vs context"}
     for name in [n for n in titles if n in result]:
-        print_table(result[name], COLUMNS, title=titles[name])
+        print_table(result[name], MIXED_COLUMNS if name == "mixed" else COLUMNS, title=titles[name])
         print()
     if args.json:
         write_json(args.json, result)

@@ -6,7 +6,10 @@
 2. Copy bandwidth: a large device-to-device ``copy_``, the ceiling a decode kernel is judged against.
 3. Decode step, for batch x context: 32 query / 8 KV heads, head_dim 128, fp16, block size 16, K/V in a
    pool of random blocks far larger than L2. Rows: the Triton kernel without and with split-K, the
-   torch gather path (``paged_attention``), and SDPA's flash backend on contiguous K/V of the same data.
+   torch gather path (``paged_attention``), the unified varlen kernel (``paged_attention_varlen_triton``,
+   a decode step is its case of one token per sequence), and SDPA's flash backend on contiguous K/V.
+4. Prefill (notebook 09): ``batch`` whole prompts of ``context`` tokens in one flat batch, tokens/s of the
+   unified kernel, of the torch varlen path (eager), and of SDPA's flash backend (causal, contiguous).
 
 Each row's GB/s is the K/V bytes a decode step must read (``kernels.attention.kv_bytes``) over its time,
 and ``speedup vs SDPA (x faster)`` is SDPA's time divided by the row's (> 1: faster than SDPA).
@@ -57,8 +60,11 @@ from pagedlib.kernels.attention import (
 )
 
 RESULTS_DIR = Path("benchmarks/results")
-METHODS = ("triton", "triton split-K", "torch gather", "sdpa contiguous")
+PREFILL_SHAPES = ((1, 4096), (8, 2048), (32, 512))  # (prompts, tokens each) of the prefill table
+METHODS = ("triton", "triton split-K", "triton varlen", "torch gather", "sdpa contiguous")
+PREFILL_METHODS = ("triton varlen", "torch varlen", "sdpa contiguous")
 SPEEDUP = "speedup vs SDPA (x faster)"  # SDPA's time / the row's time, at the same batch and context
+PREFILL_COLUMNS = ("batch", "context", "method", "us", "tokens/s", SPEEDUP, "note")
 COLUMNS = ("batch", "context", "method", "us", "GB/s", "% copy BW", SPEEDUP, "splits", "note")
 CHECK_COLUMNS = ("case", "splits", "rel_err", "limit", "ok")
 NO_CUDA_MESSAGE = (
@@ -106,7 +112,7 @@ def finish_rows(rows: list[dict[str, Any]], copy_gbps: float) -> list[dict[str, 
 
 
 def markdown_report(rows: list[dict[str, Any]], env: dict[str, Any], copy_gbps: float,
-                    checks: list[dict[str, Any]]) -> str:
+                    checks: list[dict[str, Any]], prefill: Sequence[dict[str, Any]] = ()) -> str:
     """The markdown file written next to the JSON."""
     head = [f"# Paged decode on {env.get('device_name', env.get('device'))}", ""]
     head += [f"- {k}: {env.get(k)}" for k in ("device_name", "cuda", "torch", "triton", "date")]
@@ -115,6 +121,9 @@ def markdown_report(rows: list[dict[str, Any]], env: dict[str, Any], copy_gbps: 
              f"decode step must read / time; {SPEEDUP} = SDPA's time / the row's (> 1: faster)", "",
              "## Correctness (relative error against the float64 oracle)", "",
              markdown_table(checks, CHECK_COLUMNS), "", "## Decode step", "", markdown_table(rows, COLUMNS)]
+    if prefill:
+        head += ["", "## Prefill (whole prompts, one flat batch; tokens/s = prompt tokens / time)", "",
+                 markdown_table(prefill, PREFILL_COLUMNS)]
     return "\n".join(head) + "\n"
 
 
@@ -204,6 +213,74 @@ def correctness(device: str = "cuda", cases: Sequence[tuple] = CORRECTNESS_CASES
     return out
 
 
+# dtype, head_dim, block_size, group, (cached, new) per sequence: decodes, whole prompts, chunks mid-block
+VARLEN_CASES = [
+    (torch.float16, 128, 16, 4, [(100, 1), (0, 517), (2000, 300), (37, 1), (15, 64)]),
+    (torch.bfloat16, 128, 16, 4, [(100, 1), (0, 517), (2000, 300), (37, 1), (15, 64)]),
+    (torch.float16, 80, 1, 8, [(33, 1), (0, 129), (700, 40)]),
+    (torch.bfloat16, 256, 128, 2, [(129, 1), (300, 200)]),
+]
+
+
+def varlen_correctness(device: str = "cuda", cases: Sequence[tuple] = VARLEN_CASES) -> list[dict[str, Any]]:
+    """The unified kernel against the float64 varlen oracle on mixed batches (NaN in unused slots)."""
+    from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
+    from pagedlib.kernels.varlen import paged_attention_varlen_oracle
+
+    out = []
+    for dtype, head_dim, block_size, group, seqs in cases:
+        lens, new = [c + n for c, n in seqs], [n for _, n in seqs]
+        num_blocks = sum(ceil_div(n, block_size) for n in lens) + 17
+        cache = PagedKVCache(num_blocks, 1, block_size, 2, head_dim, dtype=dtype, device=device,
+                             free_order=torch.randperm(num_blocks).tolist(), fill=float("nan"))
+        for s, n in enumerate(lens):
+            cache.add_sequence(s)
+            cache.append_tokens(s, *torch.randn(2, 1, n, 2, head_dim, device=device, dtype=dtype))
+        ids = list(range(len(seqs)))
+        q = torch.randn(sum(new), 2 * group, head_dim, device=device, dtype=dtype)
+        qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        args = (q, *cache.layer(0), cache.block_table(ids), cache.seq_lens_tensor(ids), qsl)
+        err = rel_error(paged_attention_varlen_triton(*args), paged_attention_varlen_oracle(*args))
+        case = f"varlen {str(dtype)[6:]} d{head_dim} bs{block_size} g{group} (cached, new) {seqs}"
+        out.append({"case": case,
+                    "splits": "-", "rel_err": err, "limit": REL_ERROR_LIMITS[dtype],
+                    "ok": err < REL_ERROR_LIMITS[dtype]})
+    return out
+
+
+def prefill_rows(shape: Shape, pool: Pool, gen: torch.Generator, *, repeats: int = 15,
+                 timer: Callable[..., tuple[float, str]] = time_cuda) -> list[dict[str, Any]]:
+    """``shape.batch`` whole prompts of ``shape.context`` tokens as one flat batch (their K/V already in the
+    pool): tokens/s of the unified kernel, of the torch varlen path and of SDPA (flash, causal) on
+    contiguous copies with the KV heads repeated for their query heads. ``timer``: as in ``run_shape``."""
+    from pagedlib.kernels.triton_varlen import launch_varlen
+    from pagedlib.kernels.varlen import paged_attention_varlen
+
+    b, n, dev = shape.batch, shape.context, pool.device
+    tables, lens = pool.tables(shape, gen), torch.full((b,), n, dtype=torch.int32, device=dev)
+    qsl = torch.arange(0, b * n + 1, n, dtype=torch.int32, device=dev)          # [batch + 1]
+    q = torch.randn(b * n, shape.q_heads, shape.head_dim, device=dev, generator=gen).to(shape.dtype)
+    group = shape.q_heads // shape.kv_heads
+    k, v = (x.repeat_interleave(group, 1) for x in pool.contiguous(tables, n))  # [batch, q_heads, n, D]
+    qc = q.view(b, n, shape.q_heads, shape.head_dim).transpose(1, 2)             # [batch, q_heads, n, D]
+    backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
+
+    def sdpa() -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qc, k, v, is_causal=True)
+
+    calls = {"triton varlen": (lambda: launch_varlen(q, pool.k, pool.v, tables, lens, qsl, None), True),
+             "torch varlen": (lambda: paged_attention_varlen(q, pool.k, pool.v, tables, lens, qsl), False),
+             "sdpa contiguous": (sdpa, True)}
+    rows = []
+    for method, (call, graph) in calls.items():  # the torch path reads lengths on the host: eager
+        seconds, how = timer([call], 1, repeats if graph else max(3, repeats // 3), graph=graph)
+        rows.append({"batch": b, "context": n, "method": method, "seconds": seconds, "us": seconds * 1e6,
+                     "tokens/s": b * n / seconds, "note": how})
+    sdpa_s = rows[-1]["seconds"]
+    return [{**r, SPEEDUP: speedup(sdpa_s, r["seconds"])} for r in rows]
+
+
 class Pool:
     """K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` of random data, ``gib`` in total."""
 
@@ -277,6 +354,7 @@ def _triton_rows(shape: Shape, pool: Pool, x: list[tuple[torch.Tensor, torch.Ten
                  base: dict[str, Any], timed: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """The kernel without split-K, and with the heuristic's number of splits (when it chooses > 1)."""
     from pagedlib.kernels.triton_decode import choose_num_splits, launch_decode, sm_count
+    from pagedlib.kernels.triton_varlen import launch_varlen
 
     sms = sm_count(torch.device(pool.device))
     splits = choose_num_splits(shape.batch, shape.kv_heads, shape.context, sms)
@@ -287,11 +365,15 @@ def _triton_rows(shape: Shape, pool: Pool, x: list[tuple[torch.Tensor, torch.Ten
         else:
             calls = [lambda q=q, t=t, n=n: launch_decode(q, pool.k, pool.v, t, lens, None, n) for q, t in x]
             rows.append(timed(method, calls, splits=n))
+    qsl = torch.arange(shape.batch + 1, dtype=torch.int32, device=pool.device)  # one token per sequence
+    rows.append(timed("triton varlen", [lambda q=q, t=t: launch_varlen(q, pool.k, pool.v, t, lens, qsl, None)
+                                        for q, t in x], splits=1))
     return rows
 
 
 def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] = (512, 4096, 32768), *,
-              pool_gib: float = 8.0, repeats: int = 15, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+              pool_gib: float = 8.0, repeats: int = 15, out_dir: Path = RESULTS_DIR,
+              prefill: Sequence[tuple[int, int]] = PREFILL_SHAPES) -> dict[str, Any]:
     """The whole GPU benchmark (see the module docstring); prints each table as it goes and rewrites the
     result files after every shape, so a run cut short keeps what it measured. Returns the payload."""
     import triton
@@ -301,7 +383,7 @@ def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] 
            "l2_bytes": props.L2_cache_size}
     print(f"{env['device_name']}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, "
           f"torch {torch.__version__}, triton {triton.__version__}")
-    checks = correctness()
+    checks = correctness() + varlen_correctness()
     print_table(checks, CHECK_COLUMNS, title="correctness (float64 oracle)")
     payload: dict[str, Any] = {"environment": env, "correctness": checks, "rows": []}
     if not all(c["ok"] for c in checks):
@@ -317,6 +399,12 @@ def benchmark(batches: Sequence[int] = (1, 8, 64, 256), contexts: Sequence[int] 
                                         f"({time.perf_counter() - t0:.0f} s)")
         paths = write_results(out_dir, payload, markdown_report(payload["rows"], env, copy_gbps, checks))
         torch.cuda.empty_cache()
+    payload["prefill"] = []
+    for b, n in prefill:
+        payload["prefill"] += prefill_rows(Shape(b, n), pool, gen, repeats=repeats)
+        print_table(payload["prefill"][-len(PREFILL_METHODS):], PREFILL_COLUMNS, title=f"prefill: {b} x {n}")
+        paths = write_results(out_dir, payload, markdown_report(payload["rows"], env, copy_gbps, checks,
+                                                                payload["prefill"]))
     print(f"wrote {paths[0]} and {paths[1]}")
     return payload
 
