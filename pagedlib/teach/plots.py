@@ -518,7 +518,8 @@ def plot_step_layout(seq_ids: list, starts: list[int], counts: list[int], kinds:
             ax.text(x + j + 0.47, 0.7, str(pos), ha="center", va="center", fontsize=7, color="white")
             ax.text(x + j + 0.47, 0.3, f"{block}.{off}", ha="center", va="center", fontsize=6, color="white")
         ax.text(x, -0.25, str(x), ha="left", va="top", fontsize=7)
-        handles.append(Patch(color=color, label=f"sequence {sid}: {kind}, positions {start}-{start + n - 1}"))
+        where = f"position {start}" if n == 1 else f"positions {start}-{start + n - 1}"
+        handles.append(Patch(color=color, label=f"sequence {sid}: {kind}, {where}"))
         x += n
     ax.text(x, -0.25, str(x), ha="left", va="top", fontsize=7)
     ax.set(xlim=(-0.2, total + 0.2), ylim=(-0.7, 1.1), yticks=[],
