@@ -171,6 +171,7 @@ def _bad_inputs():
         ("seq_lens int64", with_(4, lambda a: a[4].long()), "seq_lens must be an int32 tensor"),
         ("bad block id", with_(3, lambda a: a[3].masked_fill(a[3] >= 0, 999)), "is not a block id"),
         ("k dtype", with_(1, lambda a: a[1].double()), "k_cache must have q's dtype"),
+        ("fp8 v", with_(2, lambda a: a[2].to(torch.float8_e5m2)), "v_cache must have q's dtype"),
         ("v shape", with_(2, lambda a: a[2][:, :2]), "v_cache must have k_cache's shape"),
         ("heads", with_(0, lambda a: a[0][:, :3]), "q_heads (3) must be a multiple of the cache's kv_heads"),
     ]
@@ -249,3 +250,44 @@ def test_gpu_benchmark_varlen_parts_on_tiny_cpu_tensors():
     assert by["torch varlen"][gpu.SPEEDUP] == pytest.approx(2.0)  # eager 1 ms vs graph 2 ms
     md = gpu.markdown_report([], {"device_name": "x"}, 1.0, checks, rows)
     assert "## Prefill" in md and md.count("\n| 2 | 12 |") == len(gpu.PREFILL_METHODS)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["heads outside slots", "padded head_dim"])
+def test_caches_of_any_strides_give_the_same_result(impl, layout):
+    """Both read pools of any strides: a memory layout with heads outside slots, a padded head_dim."""
+    cache, args = varlen_case([6, 0, 9], [1, 5, 3], block_size=4, head_dim=16)
+    q, k_cache, v_cache, *rest = args
+
+    def relayout(x: torch.Tensor) -> torch.Tensor:
+        if layout == "heads outside slots":                    # [num_blocks, kv_heads, block_size, D] memory
+            return x.transpose(1, 2).contiguous().transpose(1, 2)
+        wide = torch.full((*x.shape[:3], 17), float("nan"), dtype=x.dtype, device=x.device)
+        wide[..., :16] = x
+        return wide[..., :16]                                   # strides 17k
+
+    moved = (q, relayout(k_cache), relayout(v_cache), *rest)
+    assert moved[1].stride() != k_cache.stride()
+    out = IMPLS[impl](*moved)
+    torch.testing.assert_close(out, IMPLS[impl](*args), **TOLERANCES[q.dtype])
+    check(out, cache, args)
+
+
+def test_a_step_cut_into_one_call_per_sequence_gives_the_same_result(monkeypatch):
+    from pagedlib.kernels import varlen
+
+    cache, args = varlen_case([9, 4, 0, 20, 3], [6, 1, 3, 1, 1], block_size=4)
+    whole = paged_attention_varlen(*args)
+    monkeypatch.setattr(varlen, "CHUNK_BYTES", 0)  # every padded copy over budget: one sequence per call
+    out = paged_attention_varlen(*args)
+    torch.testing.assert_close(out, whole, **TOLERANCES[out.dtype])
+    check(out, cache, args)
+
+
+@pytest.mark.parametrize("group,block_q", [(16, 4), (8, 8)])
+def test_chunks_longer_than_a_query_block_span_several_programs(group, block_q):
+    from pagedlib.kernels.triton_varlen import varlen_config
+
+    assert varlen_config(16, group, decode=False)["BLOCK_Q"] == block_q
+    cache, args = varlen_case([5, 0, 9, 2], [13, 1, 2 * block_q, 9], block_size=4, kv_heads=1, group=group)
+    check(paged_attention_varlen_triton(*args), cache, args)

@@ -174,6 +174,9 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
             f"query_start_loc must rise from 0 by at least 1 per sequence to T = {T} (q's rows), "
             f"got {shown}"))
     check_paged_inputs(q[: len(new)], k_cache, v_cache, block_tables, seq_lens)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        refuse((t.dtype != q.dtype, f"{name} must have q's dtype {q.dtype} for the varlen paths (no float8 "
+                                    f"cache there), got {t.dtype}"))
     lens = seq_lens.tolist()
     for b, (n, m) in enumerate(zip(lens, new)):
         if m > n:

@@ -43,7 +43,7 @@ def _varlen_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     first = (q_start // BLOCK_Q + seq) if BLOCK_Q > 1 else q_start  # the sequence's first query block
     local = (q_block - first) * BLOCK_Q  # this block's first token, counted among the sequence's new ones
-    if local >= q_len:  # a spare block: the grid has one more per sequence than its tokens may need
+    if local >= q_len:  # a spare block: the grid gives a sequence up to one more than its tokens need
         return
     seq_len = tl.load(lens_ptr + seq)
     context = seq_len - q_len  # tokens before the new ones (earlier chunks, a cached prefix)

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from pagedlib.checks import ceil_div
 from pagedlib.kernels._checks import check_varlen_inputs
-from pagedlib.kernels.attention import _gather, softmax_scale
+from pagedlib.kernels.attention import default_chunk_bytes, plan_chunks, softmax_scale
+
+CHUNK_BYTES = 16 * 2**20  # bound on one call's padded K+V copy (at least; 64 MiB off the CPU)
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,61 +42,69 @@ def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """``paged_attention_varlen`` on checked inputs, ``seq_lens`` and ``query_start_loc`` also given as the
     lists ``lens`` and ``starts`` (a caller that checked once per step calls this once per layer).
 
-    The decodes (one new token each) share one batched call; each longer chunk gets one SDPA call."""
-    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode) == len(lens):                    # a pure decode step: q's rows are the sequences
-        return decode_rows(q, k_cache, v_cache, block_tables, seq_lens, lens, scale)
+    Two groups: the decodes (one new token), and the prompts and chunks (padding a decode to a chunk's
+    length would multiply its work); each in pieces of consecutive sequences whose padded K/V copy stays
+    within ``CHUNK_BYTES`` (``plan_chunks``), one ``attend_padded`` call per piece."""
+    new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
+    bs, per_token = k_cache.shape[1], 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    budget, pieces = max(CHUNK_BYTES, default_chunk_bytes(q.device)), []
+    for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
+        chunks = plan_chunks([lens[b] for b in group], bs, per_token, budget)
+        pieces += [group[r.start:r.stop] for r in chunks]
+    if len(pieces) == 1:                                                       # one call: q as it is
+        return attend_padded(q, k_cache, v_cache, block_tables, seq_lens, lens, new, scale)
     out = torch.empty_like(q)                                                  # [T, q_heads, D]
-    if decode == list(range(len(decode))):          # decodes first, as a scheduler orders them: slices
-        rows = ids = slice(0, len(decode))
-    else:
-        rows = torch.tensor([starts[b] for b in decode], device=q.device)      # [n_decode] rows of q
-        ids = torch.tensor(decode, device=q.device)                            # [n_decode] sequences
-    if decode:
-        out[rows] = decode_rows(q[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
-                                [lens[b] for b in decode], scale)
-    for b in (b for b in range(len(lens)) if starts[b + 1] - starts[b] > 1):
-        sl = slice(starts[b], starts[b + 1])
-        out[sl] = causal_chunk(q[sl], k_cache, v_cache, block_tables[b], lens[b], scale)
+    for g in pieces:
+        if g == list(range(g[0], g[-1] + 1)):      # consecutive sequences (decodes first, as vLLM orders a
+            ids, rows = slice(g[0], g[-1] + 1), slice(starts[g[0]], starts[g[-1] + 1])  # step): views
+        else:
+            ids = torch.tensor(g, device=q.device)
+            rows = torch.tensor([r for b in g for r in range(starts[b], starts[b + 1])], device=q.device)
+        out[rows] = attend_padded(q[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
+                                  [lens[b] for b in g], [new[b] for b in g], scale)
     return out
 
 
-def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                seq_lens: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
-    """One query token per sequence (checked inputs, ``lens`` is ``seq_lens`` as a list): ``q`` ``[c,
-    q_heads, head_dim]`` -> the same, through one block gather and one SDPA call for all ``c``."""
-    (c, q_heads, head_dim), bs, kv_heads, n = q.shape, k_cache.shape[1], k_cache.shape[2], max(lens)
+def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  seq_lens: torch.Tensor, lens: list[int], new: list[int], scale: float) -> torch.Tensor:
+    """``c`` sequences, each padded to the longest, in one gather and one SDPA call (checked inputs): ``q``
+    ``[T, q_heads, head_dim]`` holds each sequence's ``new[b]`` tokens in turn; returns the same shape."""
+    (T, q_heads, head_dim), c, n, m = q.shape, len(lens), max(lens), max(new)
+    dev = q.device
+    k, v = (gather_padded(x, tables, seq_lens, n) for x in (k_cache, v_cache))  # [c, kv_heads, n, D]
+    # queries: [c, m, ...], sequence b's tokens first in its row, then zeros
+    if min(new) == m:                                                           # no padding: a view
+        seq = j = None
+        qp = q.reshape(c, m, q_heads, head_dim)
+    else:
+        new_t = torch.tensor(new, device=dev)                                   # [c]
+        seq = torch.repeat_interleave(torch.arange(c, device=dev), new_t)       # [T] each row's sequence
+        j = torch.arange(T, device=dev) - (new_t.cumsum(0) - new_t)[seq]        # [T] its index there
+        qp = q.new_zeros(c, m, q_heads, head_dim)
+        qp[seq, j] = q
+    # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
+    # of one length are SDPA's own causal case (which skips the masked half of the work)
+    q_pos = (seq_lens - torch.tensor(new, device=dev))[:, None] + torch.arange(m, device=dev)  # [c, m]
+    mask = None if min(new) == n else (torch.arange(n, device=dev) <= q_pos[:, :, None])[:, None]  # [c,1,m,n]
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
+    return o.reshape(T, q_heads, head_dim) if seq is None else o[seq, j]
+
+
+def gather_padded(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions ``0..n-1`` of ``c`` sequences of a pool ``[num_blocks, block_size, kv_heads, head_dim]``
+    (``tables`` ``[c, max_blocks]``, ``seq_lens`` ``[c]``): a copy, viewed as ``[c, kv_heads, n, head_dim]``
+    for SDPA (a contiguous one measured no faster here), zero at and past each sequence's length (no NaN of
+    an unused slot survives)."""
+    c, (bs, kv_heads, head_dim) = tables.shape[0], cache.shape[1:]
     n_blocks = ceil_div(n, bs)
-    # whole blocks, one index_select each for K and V; table entries past a sequence's last block (-1
-    # padding) become block 0, gathered like the others, then masked
-    used = torch.arange(n_blocks, device=q.device) * bs < seq_lens[:, None]      # [c, n_blocks]
-    ids = torch.where(used, tables[:, :n_blocks], 0).long()                      # [c, n_blocks]
-    k, v = _gather(k_cache, ids, n), _gather(v_cache, ids, n)                    # [c, n, kv_heads, D]
-    mask = None
-    if min(lens) < n:  # zero the slots past each length in the copy: a NaN key would poison its score
-        mask = torch.arange(n, device=q.device) < seq_lens[:, None]             # [c, n]
-        k, v = (x.masked_fill_(~mask[:, :, None, None], 0.0) for x in (k, v))
-        mask = mask[:, None, None]                                               # [c, 1, 1, n]
-    qg = q.reshape(c, kv_heads, q_heads // kv_heads, head_dim)    # a GQA group's heads are query rows
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                       scale=scale)                              # [c, kv_heads, group, D]
-    return o.reshape(c, q_heads, head_dim)
-
-
-def causal_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                 seq_len: int, scale: float) -> torch.Tensor:
-    """The last ``n`` positions of one sequence of ``seq_len`` tokens (checked inputs): ``q`` ``[n, q_heads,
-    head_dim]`` -> the same; query ``i`` sits at position ``seq_len - n + i`` and sees keys up to there."""
-    n = q.shape[0]
-    ids = table[None, : ceil_div(seq_len, k_cache.shape[1])].long()           # [1, n_blocks]
-    # only the seq_len stored tokens are gathered: no unused slot (NaN) reaches SDPA
-    k = _gather(k_cache, ids, seq_len).transpose(1, 2)                        # [1, kv_heads, seq_len, D]
-    v = _gather(v_cache, ids, seq_len).transpose(1, 2)
-    pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]       # [n, 1] query positions
-    mask = None if n == seq_len else torch.arange(seq_len, device=q.device) <= pos  # [n, seq_len]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
-                                       scale=scale, enable_gqa=True)          # [1, q_heads, n, D]
-    return o[0].transpose(0, 1)                                               # [n, q_heads, D]
+    # whole blocks in one index_select; table entries past a sequence's last block (-1) read block 0
+    used = torch.arange(n_blocks, device=cache.device) * bs < seq_lens[:, None]       # [c, n_blocks]
+    ids = torch.where(used, tables[:, :n_blocks], 0).long()                          # [c, n_blocks]
+    x = cache.index_select(0, ids.reshape(-1)).view(c * n_blocks * bs, kv_heads * head_dim)  # token rows
+    unused = torch.arange(n_blocks * bs, device=cache.device) >= seq_lens[:, None]   # [c, n_blocks * bs]
+    x.index_fill_(0, unused.reshape(-1).nonzero().squeeze(1), 0.0)
+    return x.view(c, n_blocks * bs, kv_heads, head_dim)[:, :n].transpose(1, 2)
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
