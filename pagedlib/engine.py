@@ -152,7 +152,7 @@ class Engine:
         s.decode_tokens += len(plan.decode)
         s.preemptions += len(plan.preempted)
         s.peak_blocks = max(s.peak_blocks, self.cache.num_used_blocks)
-        s.peak_running = max(s.peak_running, len(plan.scheduled))
+        s.peak_running = max(s.peak_running, len(plan.decode) + len(plan.prefill))  # partial chunks too
         done = [r for r in plan.scheduled if self.scheduler.generated[r.req_id] == r.output_len]
         for r in done:
             self.scheduler.finish(r)
