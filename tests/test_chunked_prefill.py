@@ -186,6 +186,13 @@ def test_chunked_engine_equals_hf_on_every_oracle_prompt(ref, model, block_size,
     assert engine.cache.num_free_blocks == 256
 
 
+def test_from_hf_takes_the_token_budget(ref):
+    hf, prompts, outs = ref
+    engine = Engine.from_hf(hf, num_blocks=64, block_size=8, max_num_batched_tokens=8)
+    assert engine.generate(prompts[8:12], 5) == [t[:5] for t, _ in outs[8:12]]
+    assert engine.scheduler.max_num_batched_tokens == 8 and engine.stats.steps > 5
+
+
 @pytest.mark.parametrize("num_blocks, block_size, budget", [(12, 8, 20), (30, 4, 9)])
 def test_chunked_engine_in_a_tight_pool_preempts_and_equals_hf(ref, model, num_blocks, block_size, budget):
     _, prompts, outs = ref
