@@ -90,21 +90,21 @@ def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
     return out
 
 
-def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str,
-               decode: bool) -> tuple[list[Any], list[list[int]]]:
+def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str
+               ) -> tuple[list[Any], list[list[int]]]:
     check_attention(attention)
     check_model_dtype(model.dtype)
     s = model.shape
     dtype = model.dtype if cache.dtype in FP8_DTYPES else cache.dtype  # fp8: quantized on write
     got = (cache.num_layers, cache.kv_heads, cache.head_dim, dtype, cache.device)
     want = (s.num_layers, s.num_kv_heads, s.head_dim, model.dtype, model.device)
-    seq_ids, prompts = list(seq_ids), [[t] for t in prompts] if decode else prompts
+    seq_ids = list(seq_ids)
     refuse((got != want, f"cache (layers, kv_heads, head_dim, dtype, device) = {got} does not match the "
                          f"model's {want}"))
     prompts = [token_list(f"tokens of sequence {i}", p, s.vocab_size) for i, p in enumerate(prompts)]
     refuse((len(seq_ids) != len(prompts), f"got {len(seq_ids)} seq_ids but {len(prompts)} token lists"),
            (len(set(seq_ids)) != len(seq_ids), f"seq_ids must be distinct, got {seq_ids}"),
-           (decode and not seq_ids, "decode needs at least one sequence"),
+           (not seq_ids, "a step needs at least one sequence"),
            (not all(prompts), "every prompt must hold at least one token"))
     if missing := [sid for sid in seq_ids if sid not in cache.seq_lens]:
         raise KeyError(f"sequence {missing[0]!r} is not in the cache (add_sequence it first)")
@@ -144,3 +144,11 @@ def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     return sizes[0], sizes[1], as_int("max_num_seqs", max_num_seqs, minimum=1)
+
+
+def check_token_budget(budget: object, threshold: object) -> tuple[int | None, int | None]:
+    """``(max_num_batched_tokens, long_prefill_token_threshold)`` as ints (``None``: whole prompts)."""
+    refuse((budget is None and threshold is not None,
+            "long_prefill_token_threshold needs max_num_batched_tokens (a token budget)"))
+    return tuple(None if v is None else as_int(n, v, minimum=1) for n, v in (
+        ("max_num_batched_tokens", budget), ("long_prefill_token_threshold", threshold)))

@@ -1,8 +1,9 @@
 """``Engine``: greedy generation for many prompts at once through the paged cache (notebook 08).
 
-nano-vllm's ``LLMEngine`` in small: the **scheduler** (notebook 07) plans each step, the **model** runs it
-(one ``prefill`` and one batched ``decode`` call), the **engine** keeps each request's tokens, picks the
-next one (``argmax``) and hands finished requests back to the scheduler, which frees their blocks."""
+nano-vllm's ``LLMEngine`` in small: the **scheduler** plans each step (whole prompts, notebook 07, or a token
+budget with chunked prefill, notebook 09), the **model** runs it in one forward pass over the flattened new
+tokens, the **engine** keeps each request's tokens, picks the next one (``argmax``) and hands finished
+requests back to the scheduler, which frees their blocks."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedlib.checks import as_int, check_engine, check_generate, token_list
-from pagedlib.core.scheduler import Request, Scheduler, StepPlan
-from pagedlib.model import PagedLlama, decode_kernel
+from pagedlib.checks import as_int, check_engine, check_generate, check_token_budget, token_list
+from pagedlib.core.scheduler import ChunkedScheduler, Request, Scheduler, StepPlan
+from pagedlib.model import PagedLlama, attention_kernel
 
 PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
 WATERMARK = 0.01  # share of the blocks admission keeps free for running requests to grow into (vLLM's)
@@ -39,8 +40,8 @@ class EngineStats:
 class StepOutput(NamedTuple):
     """Request ids, by what one ``Engine.step`` did with them (a request may be prefilled and finished)."""
 
-    prefilled: list[int]    # admitted (or readmitted after a preemption): prompt (+ generated) run at once
-    decoded: list[int]      # one token appended in the batched decode
+    prefilled: list[int]    # ran a prompt, or a chunk of one (readmitted: prompt and generated tokens)
+    decoded: list[int]      # ran their last sampled token
     preempted: list[int]    # lost their blocks; back at the front of the queue
     finished: list[int]     # all their tokens generated; blocks returned
 
@@ -56,14 +57,18 @@ class Engine:
         enable_prefix_caching: attach a prompt's cached full blocks instead of prefilling them (notebook 06).
         prefix_cache: ``"hash"`` (vLLM's block hashes) or ``"radix"`` (SGLang's tree, notebook 11).
         max_num_seqs: most requests in the running batch.
+        max_num_batched_tokens: ``None``: whole prompts; a number: the token budget of a step, with chunked
+            prefill (``ChunkedScheduler``), chunks at most ``long_prefill_token_threshold`` long.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16, attention: str = "torch",
                  enable_prefix_caching: bool = False, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, long_prefill_token_threshold: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
         num_blocks, block_size, self.max_num_seqs = check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
-        decode_kernel(attention, model.shape.head_dim)       # refuses a head size the kernel cannot take
+        self.token_budget = check_token_budget(max_num_batched_tokens, long_prefill_token_threshold)
+        attention_kernel(attention, model.shape.head_dim)     # refuses a head size the kernel cannot take
         self.model, self.attention = model, attention
         self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                      kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
@@ -79,7 +84,8 @@ class Engine:
     @classmethod
     def from_hf(cls, hf_model: Any, num_blocks: int, block_size: int = 16, attention: str = "torch",
                 enable_prefix_caching: bool = False, **kwargs: Any) -> Engine:
-        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes."""
+        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes (``kwargs``: the
+        keywords of ``Engine``, ``max_num_batched_tokens`` among them)."""
         return cls(PagedLlama.from_hf(hf_model), num_blocks, block_size, attention, enable_prefix_caching,
                    **kwargs)
 
@@ -87,8 +93,12 @@ class Engine:
         capacity = self.cache.num_blocks * self.cache.block_size
         caching = self.cache.prefix_cache is not None
         token_ids = (lambda r, n: self.tokens[r.req_id][:n]) if caching else None   # prompt + generated
-        return Scheduler(self.cache, policy="paged", max_num_seqs=self.max_num_seqs, watermark=WATERMARK,
-                         max_model_len=capacity + 1, token_ids=token_ids)
+        budget, cap = self.token_budget
+        chunked = {} if budget is None else {"max_num_batched_tokens": budget,
+                                             "long_prefill_token_threshold": cap}
+        return (ChunkedScheduler if chunked else Scheduler)(
+            self.cache, policy="paged", max_num_seqs=self.max_num_seqs, watermark=WATERMARK,
+            max_model_len=capacity + 1, token_ids=token_ids, **chunked)
 
     def _check_idle(self) -> None:
         """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
@@ -110,27 +120,25 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
-        """One scheduler step: a batched decode for the running requests, one prefill for those admitted
-        (or readmitted: prompt and generated tokens recomputed); finished requests' blocks are freed."""
+        """One scheduler step, one forward pass over every scheduled request's new tokens (a decode's last
+        sampled token, a prompt or its next chunk, a readmitted request's prompt and generated tokens); each
+        request whose tokens all ran samples one; finished requests' blocks are freed."""
         self._check_idle()
         self._in_step = True                                        # until the results are in
-        plan = self.scheduler.step()
-        sampled: dict[int, int] = {}
-        if plan.decode:
-            ids = [r.req_id for r in plan.decode]
-            logits = self.model.decode(self.cache, ids, [self.tokens[i][-1] for i in ids],
-                                       attention=self.attention)                   # [batch, vocab]
-            sampled.update(zip(ids, logits.argmax(-1).tolist()))
-        if plan.prefill:
-            ids = [r.req_id for r, _ in plan.prefill]
-            found = [self.cache.seq_lens[i] for i in ids]          # tokens in the blocks the cache found
-            todo = [self.tokens[i][n:] for i, n in zip(ids, found)]  # the rest: prefilled
-            logits = self.model.prefill(self.cache, ids, todo)
-            sampled.update(zip(ids, logits.argmax(-1).tolist()))
-            self.stats.prefill_tokens += sum(map(len, todo))
-            self.stats.cached_tokens += sum(found)
-        for i, token in sampled.items():
-            self.tokens[i].append(token)
+        sched = self.scheduler
+        counted = sched.prefill_tokens, sched.cached_tokens
+        plan = sched.step()
+        work = [(r, 1) for r in plan.decode] + plan.prefill         # (request, new tokens)
+        if work:
+            ids = [r.req_id for r, _ in work]
+            starts = [self.cache.seq_lens[i] for i in ids]          # K/V stored, or found by prefix caching
+            chunks = [self.tokens[i][s:s + n] for i, s, (_, n) in zip(ids, starts, work)]
+            logits = self.model.step(self.cache, ids, chunks, attention=self.attention)     # [batch, vocab]
+            for i, token in zip(ids, logits.argmax(-1).tolist()):
+                if i not in plan.partial:
+                    self.tokens[i].append(token)
+        self.stats.prefill_tokens += sched.prefill_tokens - counted[0]
+        self.stats.cached_tokens += sched.cached_tokens - counted[1]
         out = StepOutput([r.req_id for r, _ in plan.prefill], [r.req_id for r in plan.decode],
                          [r.req_id for r in plan.preempted], self._retire(plan))
         self._in_step = False
@@ -148,7 +156,7 @@ class Engine:
         s.decode_tokens += len(plan.decode)
         s.preemptions += len(plan.preempted)
         s.peak_blocks = max(s.peak_blocks, self.cache.num_used_blocks)
-        s.peak_running = max(s.peak_running, len(plan.scheduled))
+        s.peak_running = max(s.peak_running, len(plan.decode) + len(plan.prefill))  # partial chunks too
         done = [r for r in plan.scheduled if self.scheduler.generated[r.req_id] == r.output_len]
         for r in done:
             self.scheduler.finish(r)

@@ -1,9 +1,10 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
 Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
-(``checks.SUPPORTED_MODELS``). A forward pass first **reserves** a slot for every new token
-(``cache.reserve``: blocks taken, nothing written), then per layer **writes** K/V there and **attends**
-through the table.
+(``checks.SUPPORTED_MODELS``). A forward pass (``PagedLlama.step``) runs the new tokens of many sequences
+flattened together, decodes and prompt chunks alike (vLLM V1's step): it first **reserves** a slot for every
+new token (``cache.reserve``: blocks taken, nothing written), then per layer **writes** K/V there and
+**attends** through the table with one varlen kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from pagedlib import checks
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.kernels.attention import paged_attention, paged_prefill_attention
+from pagedlib.kernels.varlen import attend_varlen
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,30 @@ class LlamaShape:
 
 @dataclass
 class Step:
-    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and the decode kernel."""
+    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and how they attend."""
 
     seq_ids: list[Hashable]
-    spans: list[tuple[int, int]]      # each sequence's (start, end) in the flat [T] tensors
     tokens: torch.Tensor              # int64 [T]
     positions: torch.Tensor           # int64 [T]
     blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
     offsets: torch.Tensor             # int64 [T]
+    query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's tokens are rows [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    decode_attention: Callable[..., torch.Tensor] | None   # None: prefill
+    lens: list[int]                   # seq_lens and query_start_loc as lists (for the torch path)
+    starts: list[int]
+    kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
+        scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks: the
+        step's inputs are built here, once."""
+        if self.kernel is not None:
+            return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
+                               k_scale=k_scale, v_scale=v_scale)
+        return attend_varlen(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.lens, self.starts,
+                             q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
 class RMSNorm(nn.Module):
@@ -98,17 +112,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def decode_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor]:
-    """``paged_attention`` (``"torch"``) or the fused Triton kernel (``"triton"``: imported when asked)."""
+def attention_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor] | None:
+    """``None`` for ``"torch"`` (``Step.attend`` calls ``attend_varlen``), or ``paged_attention_varlen``'s
+    Triton twin (``"triton"``: imported when asked)."""
     checks.check_attention(attention)
     if attention == "torch":
-        return paged_attention
+        return None
     from pagedlib.kernels import triton_decode
 
     if head_dim > triton_decode.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {triton_decode.MAX_HEAD_DIM} for the Triton kernel, "
                          f"the model has {head_dim}")
-    return triton_decode.paged_attention_triton
+    from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
+
+    return paged_attention_varlen_triton
 
 
 class Attention(nn.Module):
@@ -134,15 +151,7 @@ class Attention(nn.Module):
         k, v = cache.pool.encode(k, v)                                 # fp8: quantized (notebook 10)
         k_pool[step.blocks, step.offsets] = k                          # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
-        scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
-        if step.decode_attention is not None:
-            out = step.decode_attention(q, k_pool, v_pool, step.block_tables, step.seq_lens,
-                                        **scales)                                      # [B, Hq, D]
-        else:
-            lens = step.seq_lens.tolist()
-            out = torch.cat([paged_prefill_attention(q[a:b], k_pool, v_pool, step.block_tables[i], lens[i],
-                                                     **scales)
-                             for i, (a, b) in enumerate(step.spans)])                  # [T, Hq, D]
+        out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale)            # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -176,8 +185,9 @@ class DecoderLayer(nn.Module):
 
 
 class PagedLlama(nn.Module):
-    """A Llama decoder that keeps its K/V in a ``PagedKVCache``: ``prefill`` appends runs of tokens,
-    ``decode`` one token per sequence; both return the logits after each sequence's last token."""
+    """A Llama decoder that keeps its K/V in a ``PagedKVCache``: ``step`` appends a run of tokens to each of
+    several sequences (a prompt, a prompt's chunk, a decode's one token) and returns the logits after each
+    run's last token."""
 
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
@@ -231,42 +241,35 @@ class PagedLlama(nn.Module):
                             prefix_cache=prefix_cache)
 
     @torch.no_grad()
-    def prefill(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
-                *, attention: str = "torch") -> torch.Tensor:
-        """Append ``prompts[i]`` (>= 1 token) to live sequence ``seq_ids[i]``, attending causally over all it
-        holds: ``[batch, vocab_size]`` logits after each prompt's last token. ``OutOfBlocksError`` (nothing
-        changed) if the pool cannot hold every prompt; if the forward pass fails, free the sequences."""
-        seq_ids, prompts = checks.check_step(self, cache, seq_ids, prompts, attention, decode=False)
+    def step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], chunks: Sequence[Sequence[int]], *,
+             attention: str = "torch") -> torch.Tensor:
+        """One forward pass: append ``chunks[i]`` (>= 1 token) to distinct live sequence ``seq_ids[i]``, each
+        token attending causally to everything its sequence holds. Returns ``[batch, vocab_size]`` logits
+        after each chunk's last token. ``OutOfBlocksError`` (nothing changed) if the pool cannot hold every
+        chunk; if the forward pass fails, free the sequences."""
+        seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
+        kernel = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
         starts = [cache.seq_lens[s] for s in seq_ids]
-        cache.reserve(seq_ids, [len(p) for p in prompts], [t for p in prompts for t in p])
-        return self._forward(self._step(cache, seq_ids, starts, prompts, None), cache)
+        cache.reserve(seq_ids, [len(c) for c in chunks], [t for c in chunks for t in c])
+        return self._forward(self._step(cache, seq_ids, starts, chunks, kernel), cache)
 
-    @torch.no_grad()
-    def decode(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], tokens: Sequence[int],
-               *, attention: str = "torch") -> torch.Tensor:
-        """Append ``tokens[i]`` to distinct live sequence ``seq_ids[i]``, one batched step: ``[batch, vocab]``
-        logits. ``OutOfBlocksError`` (nothing changed) if a block is needed and none is free."""
-        seq_ids, prompts = checks.check_step(self, cache, seq_ids, tokens, attention, decode=True)
-        attend = decode_kernel(attention, self.shape.head_dim)      # imports triton when asked
-        starts = [cache.seq_lens[s] for s in seq_ids]
-        cache.reserve(seq_ids, [1] * len(seq_ids), [p[0] for p in prompts])
-        return self._forward(self._step(cache, seq_ids, starts, prompts, attend), cache)
-
-    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
-              prompts: list[list[int]], decode_attention: Callable[..., torch.Tensor] | None) -> Step:
-        """The ``Step`` of tokens ``prompts[i]`` placed at positions ``starts[i]...`` (already reserved)."""
+    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int], chunks: list[list[int]],
+              kernel: Callable[..., torch.Tensor] | None) -> Step:
+        """The ``Step`` of tokens ``chunks[i]`` placed at positions ``starts[i]...`` (already reserved)."""
         dev, bs = self.device, cache.block_size
-        spans, flat, pos, rows = [], [], [], []
-        for i, (start, p) in enumerate(zip(starts, prompts)):
-            spans.append((len(flat), len(flat) + len(p)))
-            flat += p
-            pos += range(start, start + len(p))
-            rows += [i] * len(p)
+        flat, pos, rows, loc = [], [], [], [0]
+        for i, (start, c) in enumerate(zip(starts, chunks)):
+            flat += c
+            pos += range(start, start + len(c))
+            rows += [i] * len(c)
+            loc.append(len(flat))
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)                  # [T]
         tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
         blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
-        return Step(seq_ids, spans, torch.tensor(flat, dtype=torch.int64, device=dev), positions,
-                    blocks, positions % bs, tables, cache.seq_lens_tensor(seq_ids), decode_attention)
+        lens = [start + len(c) for start, c in zip(starts, chunks)]
+        return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
+                    positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
+                    torch.tensor(lens, dtype=torch.int32, device=dev), lens, loc, kernel)
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
@@ -275,5 +278,5 @@ class PagedLlama(nn.Module):
         rope = rope_cos_sin(step.positions, s.head_dim, s.rope_theta, x.dtype)         # 2 x [T, head_dim]
         for layer in self.layers:
             x = layer(x, rope, step, cache)
-        last = torch.tensor([end - 1 for _, end in step.spans], device=x.device)       # [B]
+        last = step.query_start_loc[1:].long() - 1                                     # [B]
         return self.lm_head(self.norm(x[last]))                                        # [B, vocab]

@@ -146,13 +146,13 @@ def test_an_error_mid_run_frees_everything(model, monkeypatch):
     engine = Engine(model, num_blocks=16, block_size=4)
     calls = []
 
-    def failing_decode(*args, **kwargs):
+    def failing_step(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return PagedLlama.decode(model, *args, **kwargs)
+        return PagedLlama.step(model, *args, **kwargs)
 
-    monkeypatch.setattr(model, "decode", failing_decode)
+    monkeypatch.setattr(model, "step", failing_step)
     with pytest.raises(RuntimeError, match="boom"):
         engine.generate([[1, 2, 3], [4, 5]], 8)
     assert_idle(engine)
@@ -257,8 +257,7 @@ def test_an_error_mid_prefill_leaves_no_placeholder_block_to_find(model, shared,
 # an interrupted step, threads, numpy prompts, the watermark
 
 
-@pytest.mark.parametrize("where", ["decode", "prefill"])
-def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypatch, where):
+def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypatch):
     """A KeyboardInterrupt between the scheduler's plan and the forward pass: the engine says so on every
     later call instead of generating 11 tokens where 12 were asked (or failing later); after ``reset()``
     it is idle and generates exactly what transformers generates."""
@@ -271,7 +270,7 @@ def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model, where, interrupted)                       # step 2 decodes 0, prefills 1
+    monkeypatch.setattr(model, "step", interrupted)                      # step 2 decodes 0, prefills 1
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()
@@ -290,12 +289,12 @@ def test_generate_from_a_second_thread_is_refused_while_the_first_runs(ref, mode
     engine = Engine(model, num_blocks=64, block_size=8)
     inside, release, result = threading.Event(), threading.Event(), {}
 
-    def slow_decode(*args, **kwargs):
+    def slow_step(*args, **kwargs):
         inside.set()
         release.wait(timeout=30)
-        return PagedLlama.decode(model, *args, **kwargs)
+        return PagedLlama.step(model, *args, **kwargs)
 
-    monkeypatch.setattr(model, "decode", slow_decode)
+    monkeypatch.setattr(model, "step", slow_step)
     worker = threading.Thread(target=lambda: result.setdefault("out", engine.generate(prompts[:3], 6)))
     worker.start()
     assert inside.wait(timeout=30)

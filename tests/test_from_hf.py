@@ -133,9 +133,9 @@ def test_a_head_size_the_triton_kernel_cannot_take_is_refused_up_front():
         Engine(model, num_blocks=8, block_size=4, attention="triton")
     cache = model.new_cache(num_blocks=4, block_size=4)
     cache.add_sequence(0)
-    model.prefill(cache, [0], [[1, 2, 3]])
+    model.step(cache, [0], [[1, 2, 3]])
     before = snapshot(cache)
     with pytest.raises(ValueError, match="at most 256"):
-        model.decode(cache, [0], [4], attention="triton")
+        model.step(cache, [0], [[4]], attention="triton")
     assert_unchanged(cache, before)
     assert Engine(model, num_blocks=8, block_size=4).generate([[1, 2, 3]], 2)       # torch path: fine

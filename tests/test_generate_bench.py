@@ -16,12 +16,12 @@ def test_generate_benchmark_runs_and_every_method_agrees(tmp_path, capsys):
     argv = ["generate", "--num-requests", "5", "--min-prompt", "3", "--max-prompt", "40",
             "--max-new-tokens", "6", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
             "--intermediate", "64", "--vocab", "64", "--block-size", "8", "--repeats", "1", "--threads", "1",
-            "--device", "cpu", "--json", str(out)]
+            "--device", "cpu", "--max-num-batched-tokens", "12", "--json", str(out)]
     assert main(argv) == 0
     assert torch.get_num_threads() == threads                      # restored
     assert "hf_generate_batch" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"engine", "hf_generate", "hf_generate_batch"}
+    assert set(rows) == {"engine", "engine_chunked", "hf_generate", "hf_generate_batch"}
     assert all(r["same_tokens"] == "yes" and r["tokens_per_s"] > 0 for r in rows.values())
     assert rows["engine"]["speedup vs engine"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
     # the padded contiguous cache holds 5 rows of the longest prompt; the pool fits each request exactly
@@ -33,6 +33,7 @@ def test_generate_benchmark_runs_and_every_method_agrees(tmp_path, capsys):
     (["--vocab", "0"], "argument --vocab"),
     (["--max-new-tokens", "-2"], "argument --max-new-tokens"),
     (["--block-size", "0"], "argument --block-size"),
+    (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens"),
     (["--heads", "two"], "argument --heads"),
     (["--kv-heads", "3"], "--kv-heads 3 must divide --heads 8"),
     (["--hidden", "100"], "--hidden 100 must be --heads 8 x an even head size"),

@@ -35,11 +35,12 @@ def greedy(model: PagedLlama, prompts: list[list[int]], new_tokens: int, block_s
     ids = list(range(len(prompts)))
     for i in ids:
         cache.add_sequence(i)
-    steps = [model.prefill(cache, ids, prompts, attention=attention)]                 # [B, vocab]
+    steps = [model.step(cache, ids, prompts, attention=attention)]                 # [B, vocab]
     for _ in range(new_tokens - 1):
         if poison:
             cache.fill_unused(float("nan"))
-        steps.append(model.decode(cache, ids, steps[-1].argmax(-1).tolist(), attention=attention))
+        tokens = [[t] for t in steps[-1].argmax(-1).tolist()]                          # one per sequence
+        steps.append(model.step(cache, ids, tokens, attention=attention))
     cache.check_invariants()
     assert cache.seq_lens == {i: len(p) + new_tokens - 1 for i, p in zip(ids, prompts)}
     logits = torch.stack(steps, dim=1)                                                 # [B, steps, vocab]
@@ -85,7 +86,7 @@ def test_prefill_logits_equal_hf_forward_at_every_position(ref, model):
     cache = model.new_cache(num_blocks=16, block_size=4)
     cache.add_sequence("s")
     for start, end in [(0, 5), (5, 6), (6, 64)]:
-        got = model.prefill(cache, ["s"], [prompt[start:end]])
+        got = model.step(cache, ["s"], [prompt[start:end]])
         torch.testing.assert_close(got[0], want[end - 1], **LOGITS_TOL)
 
 
@@ -112,31 +113,31 @@ def test_tied_embeddings_load_and_match():
     assert model.lm_head.weight is model.embed_tokens.weight
     cache = model.new_cache(num_blocks=4, block_size=4)
     cache.add_sequence(0)
-    got = model.prefill(cache, [0], [[1, 2, 3, 60]])
+    got = model.step(cache, [0], [[1, 2, 3, 60]])
     with torch.no_grad():
         want = hf(torch.tensor([[1, 2, 3, 60]])).logits[0, -1]
     torch.testing.assert_close(got[0], want, **LOGITS_TOL)
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda m, c: m.prefill(c, [0], [[]]), "at least one token"),
-    (lambda m, c: m.prefill(c, [0], [[1, 200]]), "outside the vocabulary"),
-    (lambda m, c: m.prefill(c, [0], [[1, -1]]), "outside the vocabulary"),
-    (lambda m, c: m.prefill(c, [0], [[1, True]]), "bool"),
-    (lambda m, c: m.prefill(c, [0], [[1, 2.0]]), "must be an int"),
-    (lambda m, c: m.prefill(c, [0], ["abc"]), "list of token ids"),
-    (lambda m, c: m.prefill(c, [0], [torch.tensor([1.0])]), "integer tensor"),
-    (lambda m, c: m.prefill(c, [0, 1], [[1]]), "2 seq_ids but 1"),
-    (lambda m, c: m.prefill(c, [0], [[1]], attention="flash"), "attention must be"),
-    (lambda m, c: m.decode(c, [0, 0], [1, 2]), "distinct"),
-    (lambda m, c: m.decode(c, [], []), "at least one sequence"),
-    (lambda m, c: m.prefill(c, [0], [list(range(100))]), "out of KV blocks"),
-    (lambda m, c: m.decode(c, [7], [1]), "not in the cache"),
+    (lambda m, c: m.step(c, [0], [[]]), "at least one token"),
+    (lambda m, c: m.step(c, [0], [[1, 200]]), "outside the vocabulary"),
+    (lambda m, c: m.step(c, [0], [[1, -1]]), "outside the vocabulary"),
+    (lambda m, c: m.step(c, [0], [[1, True]]), "bool"),
+    (lambda m, c: m.step(c, [0], [[1, 2.0]]), "must be an int"),
+    (lambda m, c: m.step(c, [0], ["abc"]), "list of token ids"),
+    (lambda m, c: m.step(c, [0], [torch.tensor([1.0])]), "integer tensor"),
+    (lambda m, c: m.step(c, [0, 1], [[1]]), "2 seq_ids but 1"),
+    (lambda m, c: m.step(c, [0], [[1]], attention="flash"), "attention must be"),
+    (lambda m, c: m.step(c, [0, 0], [[1], [2]]), "distinct"),
+    (lambda m, c: m.step(c, [], []), "at least one sequence"),
+    (lambda m, c: m.step(c, [0], [list(range(100))]), "out of KV blocks"),
+    (lambda m, c: m.step(c, [7], [[1]]), "not in the cache"),
 ])
 def test_bad_input_raises_and_changes_nothing(model, call, match):
     cache = model.new_cache(num_blocks=6, block_size=4)
     cache.add_sequence(0)
-    model.prefill(cache, [0], [[5, 6, 7, 8, 9]])
+    model.step(cache, [0], [[5, 6, 7, 8, 9]])
     cache.add_sequence(1)
     before = snapshot(cache)
     with pytest.raises((ValueError, KeyError, OutOfBlocksError), match=match):
@@ -149,7 +150,7 @@ def test_cache_of_another_shape_is_rejected(model):
     cache = wrong.new_cache(num_blocks=2, block_size=4)
     cache.add_sequence(0)
     with pytest.raises(ValueError, match="does not match"):
-        model.prefill(cache, [0], [[1]])
+        model.step(cache, [0], [[1]])
     assert cache.seq_lens == {0: 0}
 
 
@@ -163,13 +164,13 @@ def test_prefill_after_a_prefix_cache_hit_equals_hf_forward(ref, model):
     want_tokens, want_logits = hf_greedy(hf, second, 6)
     cache = model.new_cache(num_blocks=16, block_size=8, enable_prefix_caching=True)
     assert cache.add_sequence("a", first) == 0
-    model.prefill(cache, ["a"], [first])
+    model.step(cache, ["a"], [first])
     assert cache.add_sequence("b", second) == 16 and cache.tables["b"][:2] == cache.tables["a"][:2]
     cache.fill_unused(float("nan"))
-    steps = [model.prefill(cache, ["b"], [second[16:]])]                               # [1, vocab]
+    steps = [model.step(cache, ["b"], [second[16:]])]                               # [1, vocab]
     for _ in range(5):
         cache.fill_unused(float("nan"))
-        steps.append(model.decode(cache, ["b"], [int(steps[-1].argmax())]))
+        steps.append(model.step(cache, ["b"], [[int(steps[-1].argmax())]]))
     torch.testing.assert_close(torch.cat(steps), want_logits, **LOGITS_TOL)
     assert [int(s.argmax()) for s in steps] == want_tokens
     cache.check_invariants()
@@ -179,6 +180,6 @@ def test_prefill_after_a_prefix_cache_hit_equals_hf_forward(ref, model):
 def test_a_cache_with_prefix_caching_needs_the_token_ids_the_model_passes(model):
     cache = model.new_cache(num_blocks=4, block_size=4, enable_prefix_caching=True)
     cache.add_sequence("s", [1, 2, 3, 4, 5])
-    model.prefill(cache, ["s"], [[1, 2, 3, 4, 5]])
-    model.decode(cache, ["s"], [6])
+    model.step(cache, ["s"], [[1, 2, 3, 4, 5]])
+    model.step(cache, ["s"], [[6]])
     assert cache.token_ids["s"] == [1, 2, 3, 4, 5, 6] and cache.is_cached(cache.tables["s"][0])

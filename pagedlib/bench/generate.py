@@ -3,8 +3,9 @@
 The same requests (seeded random prompts of different lengths, ``--max-new-tokens`` each) on the same
 model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``LlamaConfig``), three ways:
 
-- ``engine``          ``pagedlib.engine.Engine``: continuous batching on the paged cache (``torch``
-                      attention; also ``triton`` on CUDA);
+- ``engine``          ``pagedlib.engine.Engine``: continuous batching on the paged cache, whole prompts
+                      (``torch`` attention; also ``triton`` on CUDA);
+- ``engine_chunked``  the same with a token budget of ``--max-num-batched-tokens`` per step (chunked prefill);
 - ``hf_generate``     transformers' ``generate`` on one left-padded batch (its contiguous ``DynamicCache``);
 - ``hf_generate_batch`` transformers' paged continuous batching (``generate_batch``).
 
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           ("--max-new-tokens", 64), ("--hidden", 256), ("--layers", 4), ("--heads", 8),
                           ("--kv-heads", 4), ("--intermediate", 512), ("--vocab", 512), ("--block-size", 16)]:
         p.add_argument(flag, type=positive_int, default=default, help="(default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=256,
+                   help="engine_chunked's token budget per step (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
                    help="the engine's cache: auto (the model's dtype) or fp8, quantized on write")
@@ -104,14 +107,15 @@ def pool_blocks(prompts: list[list[int]], new_tokens: int, block_size: int) -> i
     return sum(ceil_div(len(p) + new_tokens - 1, block_size) for p in prompts)
 
 
-def run_engine(model: Any, hf: Any, prompts: list[list[int]], args: argparse.Namespace, attention: str
-               ) -> tuple[list[list[int]], dict[str, float]]:
-    """A fresh engine (its pool allocated inside the timed region, as generate_batch's is)."""
+def run_engine(model: Any, hf: Any, prompts: list[list[int]], args: argparse.Namespace, attention: str,
+               budget: int | None = None) -> tuple[list[list[int]], dict[str, float]]:
+    """A fresh engine (its pool allocated inside the timed region, as generate_batch's is); ``budget``: its
+    ``max_num_batched_tokens``."""
     from pagedlib.engine import Engine
 
     blocks = pool_blocks(prompts, args.max_new_tokens, args.block_size)
     engine = Engine(model, num_blocks=blocks, block_size=args.block_size, attention=attention,
-                    kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype))
+                    kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype), max_num_batched_tokens=budget)
     out = engine.generate(prompts, args.max_new_tokens, progress=False)
     per_block = kv_bytes_per_token(hf) * args.block_size * engine.cache.k.element_size() // hf.dtype.itemsize
     return out, {"kv_alloc_MB": blocks * per_block / 1e6,
@@ -179,6 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     model = PagedLlama.from_hf(hf)
     methods: dict[str, Callable[[], tuple[list[list[int]], dict[str, float]]]] = {
         "engine": lambda: run_engine(model, hf, prompts, args, "torch"),
+        "engine_chunked": lambda: run_engine(model, hf, prompts, args, "torch", args.max_num_batched_tokens),
     }
     if device == "cuda":
         methods["engine_triton"] = lambda: run_engine(model, hf, prompts, args, "triton")
@@ -197,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     title = (f"greedy generation on {device}, {args.dtype} (engine cache: {args.kv_cache_dtype}): "
              f"{len(prompts)} prompts of {args.min_prompt}-"
              f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
-             f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}")
+             f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}; "
+             f"engine_chunked: {args.max_num_batched_tokens} tokens per step")
     print_table(rows, COLUMNS, title=title)
     if args.json:
         import transformers
@@ -205,3 +211,38 @@ def _run(args: argparse.Namespace) -> int:
         env = {**environment(device), "transformers": transformers.__version__}
         write_json(args.json, {"settings": vars(args), "environment": env, "rows": rows})
     return 0
+
+
+def measure_steps(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[int, int, float]]:
+    """Serve ``prompts`` on ``engine`` one ``step()`` at a time: per step, (new tokens, K/V tokens the step's
+    attention reads, wall-clock seconds), for fitting ``sim.simulate.StepCost``."""
+    import time
+
+    seen, run = [], engine.model.step
+
+    def step(cache: Any, ids: list, chunks: list, **kwargs: Any) -> torch.Tensor:  # counts, then runs
+        seen.append((sum(map(len, chunks)), sum(cache.seq_lens[i] + len(c) for i, c in zip(ids, chunks))))
+        return run(cache, ids, chunks, **kwargs)
+
+    rows, engine.model.step = [], step  # an instance attribute: the class's method is untouched
+    try:
+        for p in prompts:
+            engine.add_request(p, new_tokens)
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            rows.append((*seen.pop(), time.perf_counter() - start))
+    finally:
+        del engine.model.step
+    return rows
+
+
+def fit_step_cost(rows: list[tuple[int, int, float]]) -> Any:
+    """Least-squares ``StepCost`` (seconds = fixed + per_token * tokens + per_context * context) of
+    ``measure_steps``' rows."""
+    import numpy as np
+
+    from pagedlib.sim.simulate import StepCost
+
+    x = np.array([(1.0, t, c) for t, c, _ in rows])
+    return StepCost(*np.linalg.lstsq(x, np.array([s for *_, s in rows]), rcond=None)[0].tolist())

@@ -1,5 +1,6 @@
-"""The step scheduler (notebooks 07, 08): continuous batching over a ``PagedKVCache`` under a KV budget, like
-nano-vllm's ``Scheduler.schedule``. One thread; a ``step()`` that raises leaves no request half-moved."""
+"""The step schedulers: continuous batching over a ``PagedKVCache`` under a KV budget, like nano-vllm's
+``Scheduler.schedule`` (notebooks 07, 08: whole prompts), and under a token budget with chunked prefill, like
+vLLM V1's (notebook 09). One thread; a ``step()`` that raises leaves no request half-moved."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numbers
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from pagedlib.checks import as_int, refuse
+from pagedlib.checks import as_int, ceil_div, refuse
 from pagedlib.core.budgets import PagedBudget, SlabBudget, check_policy
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
@@ -19,16 +21,22 @@ from pagedlib.core.window import release_outside_window
 @dataclass
 class StepPlan:
     """``n`` K/V to write per ``(request, n)`` in ``prefill``, one per ``decode`` request, each samples a
-    token; ``preempted``: lost their K/V, now first in the queue; ``blocked``: a request waits for memory."""
+    token but the prefill chunks in ``partial`` (their prompt goes on next step); ``preempted``: lost their
+    K/V, now first in the queue; ``blocked``: a request waits for memory."""
 
     prefill: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocked: bool = False
+    partial: set[int] = field(default_factory=set)  # req ids
 
     @property
-    def scheduled(self) -> list[Request]:
-        return self.decode + [r for r, _ in self.prefill]
+    def scheduled(self) -> list[Request]:  # the requests that sample a token this step
+        return self.decode + [r for r, _ in self.prefill if r.req_id not in self.partial]
+
+    @property
+    def num_tokens(self) -> int:  # new tokens of the step's one forward pass
+        return len(self.decode) + sum(n for _, n in self.prefill)
 
 
 class Scheduler:
@@ -147,6 +155,97 @@ class Scheduler:
         if self.generated[request.req_id]:  # readmitted: what was found need not be recomputed
             self.recomputed_tokens -= cached
         return request, tokens - start - cached
+
+
+class ChunkedScheduler(Scheduler):
+    """vLLM V1's plan: no prefill and decode phases, a budget of ``max_num_batched_tokens`` new tokens per
+    step. Running requests come first (one token to decode, or their prompt's next chunk), then waiting ones
+    in arrival order; no chunk is longer than ``long_prefill_token_threshold``. A request preempted while
+    partly prefilled loses its chunks and starts again. ``Scheduler``'s other options; ``paged`` only."""
+
+    def __init__(self, cache: PagedKVCache, *, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int | None = None, **options: Any) -> None:
+        super().__init__(cache, **options)
+        self.max_num_batched_tokens, self.chunk_cap = _check_chunked(
+            self, max_num_batched_tokens, long_prefill_token_threshold)
+
+    def todo(self, request: Request) -> int:
+        """Tokens of ``request`` whose K/V are not stored: 1 while it decodes, else the prompt's rest."""
+        stored = self.cache.seq_lens.get(request.req_id, 0)
+        return request.prompt_len + self.generated[request.req_id] - stored
+
+    def step(self) -> StepPlan:
+        """Plan one step: each running request, oldest first, takes its next tokens while the token budget
+        lasts, preempting the newest while blocks are short; then, if nobody was preempted, waiting requests
+        are admitted with their first chunk while tokens, ``max_num_seqs`` and blocks allow."""
+        if done := [r.req_id for r in self.running if self.generated[r.req_id] >= r.output_len]:
+            raise RuntimeError(f"requests {done} have all their tokens: call finish() for them first")
+        plan, pending = StepPlan(), 0  # pending: blocks this step's chunks take
+        for r in list(self.running):
+            n = min(self.todo(r), self.max_num_batched_tokens - plan.num_tokens, self.chunk_cap)
+            while r in self.running and self.blocks_for(r, n) + pending > self.cache.num_free_blocks:
+                plan.preempted.append(self.preempt_newest())
+            if n == 0 or r not in self.running:
+                break
+            pending += self.blocks_for(r, n)
+            self.schedule(plan, r, n)
+        if not plan.preempted:
+            self.admit_chunks(plan, pending)
+        return plan
+
+    def blocks_for(self, request: Request, n: int) -> int:
+        """New blocks ``request`` takes to store ``n`` more tokens."""
+        held = self.cache.seq_lens[request.req_id]
+        return ceil_div(held + n, self.block_size) - ceil_div(held, self.block_size)
+
+    def preempt_newest(self) -> Request:
+        """Free the newest running request's K/V (prompt chunks included) and queue it first again."""
+        victim = self.running.pop()
+        self.recomputed_tokens += self.cache.seq_lens[victim.req_id]
+        self.cache.free_sequence(victim.req_id)
+        del self.window_start[victim.req_id]
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    def admit_chunks(self, plan: StepPlan, pending: int) -> None:
+        """Admit waiting requests with a first chunk (after the blocks the prefix cache finds) into the
+        tokens left; ``plan.blocked`` if the blocks ran out, less the watermark."""
+        while self.waiting and plan.num_tokens < self.max_num_batched_tokens and \
+                len(self.running) < self.max_num_seqs:
+            r, bs = self.waiting[0], self.block_size
+            ids = self.token_ids(r, self.todo(r)) if self.token_ids else None
+            found = self.cache.prefix_cache.peek(ids) if ids is not None else []
+            n = min(self.todo(r) - len(found) * bs, self.max_num_batched_tokens - plan.num_tokens,
+                    self.chunk_cap)
+            if (new := self.budget.reserve(r, len(found) * bs + n, found, pending)) is None:
+                plan.blocked = True
+                return
+            pending += new
+            cached = self.cache.add_sequence(r.req_id, ids)
+            self.running.append(self.waiting.popleft())
+            self.window_start[r.req_id], self.cached_tokens = 0, self.cached_tokens + cached
+            self.recomputed_tokens -= cached if self.generated[r.req_id] else 0
+            self.schedule(plan, r, n)
+
+    def schedule(self, plan: StepPlan, request: Request, n: int) -> None:
+        """Put ``n`` tokens of ``request`` in ``plan``: it samples a token if they are its last unstored."""
+        if n == self.todo(request) == 1 and self.generated[request.req_id]:
+            plan.decode.append(request)
+        else:
+            plan.prefill.append((request, n))
+            self.prefill_tokens += n
+            if n < self.todo(request):
+                plan.partial.add(request.req_id)
+        self.generated[request.req_id] += n == self.todo(request)
+
+
+def _check_chunked(sched: Scheduler, budget: object, threshold: object) -> tuple[int, int]:
+    refuse((sched.policy != "paged" or sched.sliding_window is not None,
+            "chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no sliding_window"))
+    budget = as_int("max_num_batched_tokens", budget, minimum=1)
+    cap = budget if threshold is None else threshold
+    return budget, as_int("long_prefill_token_threshold", cap, minimum=1)
 
 
 def _check_scheduler(cache: object, policy: object, max_num_seqs: object, max_model_len: object,

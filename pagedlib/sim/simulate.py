@@ -1,9 +1,11 @@
-"""The serving simulation of notebook 07: ``simulate`` runs the real ``Scheduler`` on a real ``PagedKVCache``
-(tiny fake K/V) and sorts every slot, every step, into the vLLM paper's Figure 2 categories."""
+"""The serving simulation of notebooks 07 and 09: ``simulate`` runs the real ``Scheduler`` (or, with a token
+budget, ``ChunkedScheduler``) on a real ``PagedKVCache`` (tiny fake K/V), sorts every slot, every step, into
+the vLLM paper's Figure 2 categories, and times each request's tokens in steps or modelled seconds."""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import itertools
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -14,7 +16,7 @@ import torch
 from pagedlib.checks import ceil_div
 from pagedlib.core.budgets import SlabBudget
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import Request, Scheduler, StepPlan
+from pagedlib.core.scheduler import ChunkedScheduler, Request, Scheduler, StepPlan
 from pagedlib.sim._checks import check_simulate
 from pagedlib.sim.workloads import fake_token_ids
 
@@ -32,6 +34,16 @@ class RequestResult(NamedTuple):
     generated: int
     final_kv_len: int  # K/V positions written by its last step (sliding-window releases included)
     preemptions: int
+    token_steps: tuple[int, ...] = ()  # the step that sampled each of its tokens
+
+
+class StepCost(NamedTuple):
+    """Modelled seconds of one engine step: ``fixed + per_token * new tokens + per_context * K/V tokens read``
+    (each scheduled request reads its whole cache once)."""
+
+    fixed: float
+    per_token: float
+    per_context: float
 
 
 @dataclass
@@ -62,7 +74,8 @@ class SimResult:
     mean_latency: float                   # steps from arrival to the last token, averaged
     leaked_blocks: int
     prefix_cache_hit_rate: float | None   # tokens found / tokens looked up at admission; None: caching off
-    series: dict[str, np.ndarray]         # per step: step, running, waiting, preempted, CATEGORIES, free
+    series: dict[str, np.ndarray]         # per step: step, running, waiting, preempted, CATEGORIES, free,
+                                          # tokens (new, this step), context (K/V tokens the step reads)
     requests: list[RequestResult]
     occupancy: Occupancy | None = None
     prefill_tokens: int = 0               # K/V computed by prefills (recomputes included, cache hits not)
@@ -73,6 +86,20 @@ class SimResult:
         """Mean running requests over the steps at which a request waited (0.0 if none did)."""
         busy = self.series["waiting"] > 0
         return float(self.series["running"][busy].mean()) if busy.any() else 0.0
+
+    def latencies(self, cost: StepCost | None = None) -> dict[str, np.ndarray]:
+        """``ttft`` per request (from the start of its arrival step to the end of the step that sampled its
+        first token) and every ``itl`` (between a request's consecutive tokens, ended at ``itl_at``), in
+        steps or, under ``cost``, modelled seconds."""
+        s = self.series
+        took = np.ones(len(s["step"])) if cost is None else \
+            cost.fixed + cost.per_token * s["tokens"] + cost.per_context * s["context"]
+        end = dict(zip(s["step"].tolist(), np.cumsum(took).tolist()))           # step -> clock at its end
+        start = {k: t - d for (k, t), d in zip(end.items(), took.tolist())}
+        ttft = [end[r.token_steps[0]] - start[r.arrival] for r in self.requests]
+        pairs = [(a, b) for r in self.requests for a, b in itertools.pairwise(end[k] for k in r.token_steps)]
+        return {"ttft": np.array(ttft), "itl": np.array([b - a for a, b in pairs]),
+                "itl_at": np.array([b for _, b in pairs])}  # when the later token of each gap came
 
     def row(self) -> dict[str, Any]:
         """The scalar results, rounded for a table or JSON."""
@@ -139,17 +166,23 @@ def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
 def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: int, block_size: int = 16, *,
                   max_num_seqs: int = 256, watermark: float = 0.01, max_model_len: int = 2048,
                   sliding_window: int | None = None, enable_prefix_caching: bool = False,
-                  prefix_cache: str = "hash") -> Scheduler:
-    """The scheduler ``simulate`` runs, with its cache, every request checked against it (nothing queued)."""
+                  prefix_cache: str = "hash", max_num_batched_tokens: int | None = None,
+                  long_prefill_token_threshold: int | None = None) -> Scheduler:
+    """The scheduler ``simulate`` runs, with its cache, every request checked against it (nothing queued);
+    ``max_num_batched_tokens``: a ``ChunkedScheduler`` with that token budget (and chunk cap)."""
     requests, budget, block_size, max_num_seqs = check_simulate(
         requests, policy, kv_budget_blocks, block_size, max_num_seqs, enable_prefix_caching)
     max_num_seqs = min(max_num_seqs, max(1, len(requests)))  # no more can run: the cap must not size memory
     extra = 0 if policy == "paged" else max_num_seqs  # a slab's tokens can straddle one block more
     cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching,
                          prefix_cache=prefix_cache)
-    sched = Scheduler(cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark,
-                      max_model_len=max_model_len, kv_budget_blocks=budget, sliding_window=sliding_window,
-                      token_ids=fake_token_ids if enable_prefix_caching else None)
+    budget_keys = ("max_num_batched_tokens", max_num_batched_tokens), \
+        ("long_prefill_token_threshold", long_prefill_token_threshold)
+    chunked = {} if max_num_batched_tokens is None else dict(budget_keys)
+    sched = (ChunkedScheduler if chunked else Scheduler)(
+        cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark, max_model_len=max_model_len,
+        kv_budget_blocks=budget, sliding_window=sliding_window,
+        token_ids=fake_token_ids if enable_prefix_caching else None, **chunked)
     for r in requests:
         sched.check(r)
     return sched
@@ -182,8 +215,9 @@ def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
 def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: bool) -> tuple:
     """Serve ``requests`` by arrival: the per-step series, finished requests' results, pool pictures."""
     from tqdm.auto import tqdm
-    series = {k: [] for k in ("step", "running", "waiting", "preempted", *CATEGORIES, "free")}
-    first, preempted, done, pictures = {}, Counter(), [], []
+    series = {k: [] for k in ("step", "running", "waiting", "preempted", *CATEGORIES, "free", "tokens",
+                              "context")}
+    first, preempted, done, pictures, sampled = {}, Counter(), [], [], defaultdict(list)
     arrivals, step = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id))), 0
     with tqdm(total=len(requests), disable=not progress, desc=sched.policy, unit="req") as bar:
         while arrivals or sched.has_unfinished:
@@ -195,8 +229,12 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
             write_fake_kv(sched, plan)
             first.update((r.req_id, step) for r, _ in plan.prefill if r.req_id not in first)
             preempted.update(r.req_id for r in plan.preempted)
+            for r in plan.scheduled:
+                sampled[r.req_id].append(step)
+            context = sum(sched.cache.seq_lens[r.req_id] for r in plan.decode + [r for r, _ in plan.prefill])
             now = {"step": step, "running": len(sched.running), "waiting": len(sched.waiting), "preempted":
-                   len(plan.preempted), "free": free_slots(sched), **slot_breakdown(sched, plan.blocked)}
+                   len(plan.preempted), "free": free_slots(sched), **slot_breakdown(sched, plan.blocked),
+                   "tokens": plan.num_tokens, "context": context}
             for k, column in series.items():
                 column.append(now[k])
             if occupancy:
@@ -204,7 +242,7 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
             for r in [r for r in plan.scheduled if sched.generated[r.req_id] == r.output_len]:
                 kv_len = sched.window_start[r.req_id] + sched.cache.seq_lens[r.req_id]
                 done.append(RequestResult(r.req_id, r.arrival, first[r.req_id], step, r.output_len, kv_len,
-                                          preempted[r.req_id]))
+                                          preempted[r.req_id], tuple(sampled.pop(r.req_id))))
                 sched.finish(r)
                 bar.update()
             step += 1

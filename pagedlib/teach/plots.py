@@ -483,6 +483,52 @@ def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") 
     return fig
 
 
+# --- notebook 09: chunked prefill -----------------------------------------------------------------
+def plot_itl(latencies: dict[str, dict], title: str = "") -> Figure:
+    """Inter-token latency per mode (``SimResult.latencies(cost)``, seconds): every gap at the time it ended
+    (left), and all gaps sorted (right), p50 and p99 marked."""
+    fig, (ax, cdf) = _new_figure(10.0, 3.4, ncols=2, width_ratios=[1.6, 1])
+    for i, (mode, lat) in enumerate(latencies.items()):
+        color, itl = OWNER_COLORS[2 * i], np.sort(lat["itl"]) * 1e3
+        ax.scatter(lat["itl_at"], lat["itl"] * 1e3, s=4, color=color, label=mode, alpha=0.6)
+        share = np.arange(1, len(itl) + 1) / len(itl) * 100
+        cdf.plot(share, itl, color=color, label=mode)
+        for q in (50, 99):
+            cdf.plot(q, np.percentile(itl, q), "o", color=color, ms=4)
+    ax.set(xlabel="modelled time (s)", ylabel="inter-token latency (ms)", yscale="log")
+    cdf.set(xlabel="share of gaps (%), p50 and p99 marked", ylabel="inter-token latency (ms)", yscale="log")
+    ax.legend(frameon=False, fontsize=8, markerscale=3)
+    cdf.legend(frameon=False, fontsize=8)
+    return _suptitle(fig, title)
+
+
+def plot_step_layout(seq_ids: list, starts: list[int], counts: list[int], kinds: list[str], tables: dict,
+                     block_size: int, title: str = "") -> Figure:
+    """One step's flat token layout: sequence ``seq_ids[i]`` brings ``counts[i]`` tokens (``kinds[i]``: a
+    decode, a chunk...) at positions ``starts[i]...``; each cell shows its position and the slot (block,
+    offset, through ``tables[seq_id]``) its K/V is written to."""
+    total = sum(counts)
+    fig, ax = _new_figure(max(6.0, 0.42 * total + 1.5), 2.0)
+    x, handles = 0, []
+    for sid, start, n, kind in zip(seq_ids, starts, counts, kinds):
+        color = owner_color(sid, list(seq_ids))
+        for j, pos in enumerate(range(start, start + n)):
+            block, off = tables[sid][pos // block_size], pos % block_size
+            ax.add_patch(Rectangle((x + j, 0), 0.95, 1, color=color, alpha=0.85))
+            ax.text(x + j + 0.47, 0.7, str(pos), ha="center", va="center", fontsize=7, color="white")
+            ax.text(x + j + 0.47, 0.3, f"{block}.{off}", ha="center", va="center", fontsize=6, color="white")
+        ax.text(x, -0.25, str(x), ha="left", va="top", fontsize=7)
+        where = f"position {start}" if n == 1 else f"positions {start}-{start + n - 1}"
+        handles.append(Patch(color=color, label=f"sequence {sid}: {kind}, {where}"))
+        x += n
+    ax.text(x, -0.25, str(x), ha="left", va="top", fontsize=7)
+    ax.set(xlim=(-0.2, total + 0.2), ylim=(-0.7, 1.1), yticks=[],
+           xlabel="flat token index in the step (query_start_loc marked below the cells)")
+    ax.set_xticks([])
+    _legend_right(ax, handles)
+    return _suptitle(fig, title or "cells: position (top), block.offset of its slot (bottom)")
+
+
 # --- notebook 10: an FP8 KV cache -------------------------------------------------------------------
 def plot_representable(values: dict[str, np.ndarray], lo: float = 0.5, hi: float = 4.0) -> Figure:
     """Every value each format can hold in ``[lo, hi]``, one row per format (``values``: name -> all its

@@ -1,0 +1,243 @@
+"""Chunked prefill (notebook 09): the token-budget scheduler keeps its token and block budgets on random
+workloads and gives every request exactly its tokens; the simulator's latencies follow from the steps; the
+engine's one forward pass per step over flattened tokens gives transformers' tokens with chunking on (chunks
+that split prompts mid-block and on block boundaries, tight pools with preemption, prefix caching, Triton in
+the interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
+
+import pytest
+import torch
+from helpers import ORACLE_NEW_TOKENS, hf_greedy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.scheduler import ChunkedScheduler, Request
+from pagedlib.engine import Engine
+from pagedlib.sim.simulate import StepCost, new_scheduler, simulate, write_fake_kv
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the scheduler, on fake K/V
+
+
+@st.composite
+def workloads(draw):
+    """Requests (with token ids from a 3-token vocabulary, so prefixes repeat) and the scheduler's sizes:
+    the pool holds the largest request alone and sometimes little more."""
+    n = draw(st.integers(1, 7))
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    requests = []
+    for i in range(n):
+        prompt = draw(st.lists(st.integers(0, 2), min_size=1, max_size=40))
+        arrival, output = draw(st.integers(0, 6)), draw(st.integers(1, 9))
+        requests.append(Request(i, arrival, len(prompt), output, tuple(prompt)))
+    alone = max(-(-r.max_kv_len // block_size) for r in requests)
+    options = dict(max_num_batched_tokens=draw(st.integers(1, 40)), enable_prefix_caching=draw(st.booleans()),
+                   long_prefill_token_threshold=draw(st.none() | st.integers(1, 16)),
+                   max_num_seqs=draw(st.integers(1, 8)), watermark=0.0, max_model_len=64)
+    return requests, alone + draw(st.integers(0, 12)), block_size, options
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_the_scheduler_keeps_its_budgets_and_every_request_gets_its_tokens(case):
+    """Every step: at most ``max_num_batched_tokens`` new tokens, no chunk over the cap, every running
+    request's cache holds exactly its positions 0..n-1 (K = position; V = request id unless a prefix is
+    shared): chunks land in order, a preempted request's chunks are gone; sampling requests hold all their
+    tokens but the last. In the end: each request sampled exactly ``output_len`` tokens, at most one per
+    step, and every block is free."""
+    requests, num_blocks, block_size, options = case
+    sched = new_scheduler(requests, "paged", num_blocks, block_size, **options)
+    budget, cap = sched.max_num_batched_tokens, sched.chunk_cap
+    arrivals, sampled, step = sorted(requests, key=lambda r: r.arrival), {r.req_id: [] for r in requests}, 0
+    while arrivals or sched.has_unfinished:
+        while arrivals and arrivals[0].arrival <= step:
+            sched.add(arrivals.pop(0))
+        plan = sched.step()
+        write_fake_kv(sched, plan)
+        assert plan.num_tokens <= budget and all(1 <= n <= cap for _, n in plan.prefill)
+        assert plan.partial <= {r.req_id for r, _ in plan.prefill}
+        sched.cache.check_invariants()
+        for r in sched.running:
+            k, v = sched.cache.gather(r.req_id)                                    # [1, n, 1, 1]
+            held = sched.cache.seq_lens[r.req_id]
+            assert k.flatten().tolist() == list(range(held))
+            assert options["enable_prefix_caching"] or set(v.flatten().tolist()) <= {r.req_id}  # else shared
+            if r.req_id not in plan.partial:
+                assert held == r.prompt_len + sched.generated[r.req_id] - 1
+        for r in plan.scheduled:
+            sampled[r.req_id].append(step)
+            if sched.generated[r.req_id] == r.output_len:
+                sched.finish(r)
+        step += 1
+        assert step < 2000, "no progress"
+    assert {i: len(s) for i, s in sampled.items()} == {r.req_id: r.output_len for r in requests}
+    assert all(len(set(s)) == len(s) for s in sampled.values())
+    assert sched.cache.num_free_blocks == num_blocks
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
+    """Budget 8: step 0 prefills 8 of request 0's 10 tokens; step 1 its last 2 (first token) and request
+    1's 3; then request 0 and 1 decode first and request 2's 20-token prompt takes what is left."""
+    sched = ChunkedScheduler(PagedKVCache(20, 1, 4, 1, 1), max_num_batched_tokens=8, watermark=0.0,
+                             max_model_len=64)
+    for i, (p, o) in enumerate([(10, 3), (3, 4), (20, 2)]):
+        sched.add(Request(i, 0, p, o))
+    seen = []
+    for _ in range(4):
+        plan = sched.step()
+        write_fake_kv(sched, plan)
+        seen.append(([r.req_id for r in plan.decode], [(r.req_id, n) for r, n in plan.prefill],
+                     sorted(plan.partial)))
+    assert seen == [([], [(0, 8)], [0]), ([], [(0, 2), (1, 3), (2, 3)], [2]), ([0, 1], [(2, 6)], [2]),
+                    ([0, 1], [(2, 6)], [2])]
+
+
+def test_a_request_preempted_mid_prefill_starts_again():
+    """Request 1 has 3 of its 12 tokens stored when request 0's decode needs its block back: it loses the
+    chunk (recomputed_tokens), waits first in line, and is prefilled from position 0 when it returns."""
+    sched = ChunkedScheduler(PagedKVCache(4, 1, 4, 1, 1), max_num_batched_tokens=4, watermark=0.0,
+                             max_model_len=64)
+    sched.add(Request(0, 0, 8, 5))
+    sched.add(Request(1, 0, 12, 2))
+    plans = []
+    while sched.has_unfinished and len(plans) < 40:
+        plans.append(plan := sched.step())
+        write_fake_kv(sched, plan)
+        for r in [r for r in plan.scheduled if sched.generated[r.req_id] == r.output_len]:
+            sched.finish(r)
+    assert sched.num_preemptions >= 1 and sched.recomputed_tokens > 0 and not sched.has_unfinished
+    back = next(i for i, p in enumerate(plans) if p.preempted) + 1
+    assert any(r.req_id == 1 for r, _ in plans[back].prefill + plans[back + 1].prefill)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (dict(max_num_batched_tokens=8, long_prefill_token_threshold=0), "long_prefill_token_threshold must be"),
+    (dict(max_num_batched_tokens=8, policy="reserve-max", kv_budget_blocks=4, max_num_seqs=4),
+     "needs the 'paged' policy"),
+    (dict(max_num_batched_tokens=8, sliding_window=4), "no sliding_window"),
+    (dict(max_num_batched_tokens=True), "must be an int"),
+])
+def test_bad_token_budgets_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ChunkedScheduler(PagedKVCache(8, 1, 4, 1, 1), **kwargs)
+
+
+def test_latencies_in_steps_and_in_modelled_seconds():
+    """In steps, a request's TTFT counts its arrival step to its first token's; its ITLs are the gaps.
+    Under a cost model, a decode stalled by a 400-token prompt's whole prefill waits ~400 token-costs; with
+    a 64-token budget no inter-token gap costs more than a step of 64 tokens and the K/V it reads."""
+    reqs = [Request(0, 0, 8, 30), Request(1, 5, 400, 3), Request(2, 12, 400, 3)]
+    cost = StepCost(fixed=1e-3, per_token=1e-4, per_context=1e-6)
+    whole = simulate(reqs, "paged", 64, 16)
+    chunked = simulate(reqs, "paged", 64, 16, max_num_batched_tokens=64)
+    for res in (whole, chunked):
+        lat = res.latencies()
+        assert lat["ttft"].tolist() == [r.token_steps[0] - r.arrival + 1 for r in res.requests]
+        assert sorted(lat["itl"].tolist()) == sorted(b - a for r in res.requests
+                                                     for a, b in zip(r.token_steps, r.token_steps[1:]))
+    worst = cost.fixed + cost.per_token * 64 + cost.per_context * int(chunked.series["context"].max())
+    assert chunked.latencies(cost)["itl"].max() <= worst + 1e-12
+    assert whole.latencies(cost)["itl"].max() > cost.per_token * 400
+    assert chunked.series["tokens"].max() <= 64 < whole.series["tokens"].max()
+
+
+# ------------------------------------------------------------------------------------------------------
+# the engine, against transformers
+
+
+def run_steps(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Step to the end, checking each step: the budget holds, every running request's cache holds its
+    tokens but the last sampled (or, mid-prefill, a prefix of its prompt)."""
+    ids = [engine.add_request(p, new_tokens) for p in prompts]
+    budget = engine.scheduler.max_num_batched_tokens
+    while engine.has_unfinished():
+        s, before = engine.stats, engine.stats.prefill_tokens + engine.stats.decode_tokens
+        engine.step()
+        engine.cache.check_invariants()
+        assert s.prefill_tokens + s.decode_tokens - before <= budget             # computed, not found
+        for r in engine.scheduler.running:
+            assert engine.cache.seq_lens[r.req_id] <= len(engine.tokens[r.req_id]) - 1 or \
+                len(engine.tokens[r.req_id]) == r.prompt_len
+    return [engine.output(i) for i in ids]
+
+
+@pytest.mark.parametrize("block_size, budget, cap", [
+    (8, 64, 8),      # every chunk one block: prompts split on block boundaries
+    (4, 27, 5),      # chunks of 5 over blocks of 4: splits mid-block
+    (16, 7, None),   # a budget smaller than the batch: decodes wait their turn too
+])
+def test_chunked_engine_equals_hf_on_every_oracle_prompt(ref, model, block_size, budget, cap):
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=256, block_size=block_size, max_num_batched_tokens=budget,
+                    long_prefill_token_threshold=cap)
+    assert run_steps(engine, prompts, ORACLE_NEW_TOKENS) == [t for t, _ in outs]
+    assert engine.stats.prefill_tokens == sum(map(len, prompts))
+    assert engine.cache.num_free_blocks == 256
+
+
+def test_from_hf_takes_the_token_budget(ref):
+    hf, prompts, outs = ref
+    engine = Engine.from_hf(hf, num_blocks=64, block_size=8, max_num_batched_tokens=8)
+    assert engine.generate(prompts[8:12], 5) == [t[:5] for t, _ in outs[8:12]]
+    assert engine.scheduler.max_num_batched_tokens == 8 and engine.stats.steps > 5
+
+
+@pytest.mark.parametrize("num_blocks, block_size, budget", [(12, 8, 20), (30, 4, 9)])
+def test_chunked_engine_in_a_tight_pool_preempts_and_equals_hf(ref, model, num_blocks, block_size, budget):
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget)
+    assert run_steps(engine, prompts, ORACLE_NEW_TOKENS) == [t for t, _ in outs]
+    assert engine.stats.preemptions > 0 and engine.stats.prefill_tokens > sum(map(len, prompts))
+    assert engine.cache.num_free_blocks == num_blocks
+
+
+@pytest.fixture(scope="module")
+def shared(ref):
+    """Prompts sharing prefixes of a 48-token text (ending on and off block boundaries), HF's tokens."""
+    g = torch.Generator().manual_seed(7)
+    text = torch.randint(0, 200, (48,), generator=g).tolist()
+    prompts = [text[:n] + torch.randint(0, 200, (m,), generator=g).tolist()
+               for n, m in [(48, 1), (47, 2), (32, 0), (33, 15), (16, 16), (48, 16), (0, 9), (40, 24)]]
+    return prompts, [hf_greedy(ref[0], p, 16)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("num_blocks, budget, cap", [(256, 40, 12), (14, 24, None)])
+def test_chunked_engine_with_prefix_caching_equals_hf(model, shared, num_blocks, budget, cap):
+    """Chunks register their full blocks as they go, so a later request finds them; a tight pool also
+    preempts. The tokens are transformers' either way, and the cache hits count."""
+    prompts, want = shared
+    engine = Engine(model, num_blocks=num_blocks, block_size=8, enable_prefix_caching=True, max_num_seqs=3,
+                    max_num_batched_tokens=budget, long_prefill_token_threshold=cap)
+    assert run_steps(engine, prompts, 16) == want
+    assert engine.stats.cached_tokens > 0
+    assert engine.cache.num_free_blocks == num_blocks
+
+
+def test_chunked_engine_with_the_triton_kernel_in_the_interpreter(ref, model):
+    pytest.importorskip("triton", reason="Triton ships Linux wheels only")
+    _, prompts, outs = ref
+    few = [2, 6, 11]                                                      # 3, 8 and 17 tokens
+    engine = Engine(model, num_blocks=16, block_size=4, attention="triton", max_num_batched_tokens=6)
+    assert engine.generate([prompts[i] for i in few], 5) == [outs[i][0][:5] for i in few]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens must be an int"),
+    (dict(long_prefill_token_threshold=4), "needs max_num_batched_tokens"),
+    (dict(max_num_batched_tokens=8, long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+])
+def test_bad_engine_token_budgets_are_refused(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(model, num_blocks=8, **kwargs)
