@@ -252,5 +252,7 @@ def test_model_and_engine_on_an_fp8_cache():
         assert engine.cache.dtype == E4M3 and engine.cache.k.element_size() == 1
         outs[attention] = engine.generate(prompts, max_new_tokens=6)
     assert outs["torch"] == outs["triton"]  # both read the same bytes, dequantized exactly
+    chunked = Engine(model, num_blocks=32, block_size=4, kv_cache_dtype=E4M3, max_num_batched_tokens=3)
+    assert chunked.generate(prompts, max_new_tokens=6) == outs["torch"]  # prompts in chunks (notebook 09)
     with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
         Engine(model, num_blocks=8, kv_cache_dtype=torch.float64)

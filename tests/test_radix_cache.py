@@ -205,12 +205,16 @@ def test_engine_with_the_tree_equals_hf_multi_turn(ref, model, num_blocks, block
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("num_blocks, block_size", [(256, 8), (12, 8)])
-def test_engine_with_the_tree_equals_hf_on_branches_inside_a_block(ref, model, num_blocks, block_size):
+@pytest.mark.parametrize("num_blocks, block_size, budget",
+                         [(256, 8, None), (12, 8, None), (256, 8, 7), (12, 8, 5)])
+def test_engine_with_the_tree_equals_hf_on_branches_inside_a_block(ref, model, num_blocks, block_size,
+                                                                   budget):
     """A 21-token stem, then five branches that leave it inside its third block of 8: each finds the 16
-    tokens of two blocks and 5 more in a copy of the third (21 a branch, unless preempted)."""
+    tokens of two blocks and 5 more in a copy of the third (21 a branch, unless preempted). With a token
+    budget (notebook 09) the prefill after the copied tokens starts mid-block and runs in chunks."""
     stem = _random(21, 3)
-    engine = Engine(model, num_blocks, block_size, enable_prefix_caching=True, prefix_cache="radix")
+    engine = Engine(model, num_blocks, block_size, enable_prefix_caching=True, prefix_cache="radix",
+                    max_num_batched_tokens=budget)
     branches = [stem + _random(3 + i, 20 + i) for i in range(5)]
     run_rounds(engine, ref[0], [[stem], branches])
     assert engine.stats.cached_tokens % block_size and (engine.stats.preemptions > 0) == (num_blocks < 256)

@@ -226,7 +226,7 @@ class ChunkedScheduler(Scheduler):
             self.running.append(self.waiting.popleft())
             self.window_start[r.req_id], self.cached_tokens = 0, self.cached_tokens + cached
             self.recomputed_tokens -= cached if self.generated[r.req_id] else 0
-            self.schedule(plan, r, n)
+            self.schedule(plan, r, min(n, self.todo(r)))  # the radix cache also finds part of a block
 
     def schedule(self, plan: StepPlan, request: Request, n: int) -> None:
         """Put ``n`` tokens of ``request`` in ``plan``: it samples a token if they are its last unstored."""
