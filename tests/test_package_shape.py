@@ -22,9 +22,19 @@ MODULES = {
 }
 ENGINE_PATH = ["pagedlib.engine"]
 KERNELS = ["pagedlib.kernels.attention", "pagedlib.kernels.triton_decode", "pagedlib.kernels.triton_mode"]
-# The package's budget is a ratchet: issue 17 aims at 4,200 lines and the split reached 4,625 (from 5,546);
-# lower this number whenever a change makes the package smaller, never raise it.
-LIMITS = {"package": 4650, "engine path": 1600, "kernels": 650}
+VARLEN = ["pagedlib.kernels.varlen", "pagedlib.kernels.triton_varlen"]  # notebook 09's unified paths
+# Line budgets. Issue 17 asked 4,200 lines for the package of chapters 01-08 and the split reached 4,625, so
+# their budget is a ratchet at 4,650 (engine path 1,600, kernels 650): lower a number whenever the code
+# shrinks, never raise it. Each later chapter adds the lines it was allowed, named here, so that growth is
+# a decision and never drift.
+BASE = {"package": 4650, "engine path": 1600, "kernels": 650, "varlen kernels": 0}
+CHAPTERS = {
+    "09 chunked prefill, unified kernel": {"package": 520, "engine path": 110, "varlen kernels": 320},
+    "10 fp8 KV cache": {"package": 200, "engine path": 60},
+    "11 radix tree vs block hashes": {"package": 500, "engine path": 190},
+    "website players (03, 06)": {"package": 120},
+}
+LIMITS = {k: v + sum(c.get(k, 0) for c in CHAPTERS.values()) for k, v in BASE.items()}
 MAX_FUNCTION, MAX_KERNEL, MAX_SHOWN = 40, 60, 40
 
 
@@ -62,9 +72,9 @@ def is_checks(module: str) -> bool:
 
 def test_line_budgets():
     package = [m for m in MODULES if not m.startswith("pagedlib.bench")]
-    engine = closure(ENGINE_PATH, stop={*KERNELS, *(m for m in MODULES if is_checks(m))})
+    engine = closure(ENGINE_PATH, stop={*KERNELS, *VARLEN, *(m for m in MODULES if is_checks(m))})
     counts = {"package": sum(map(lines, package)), "engine path": sum(map(lines, engine)),
-              "kernels": sum(map(lines, KERNELS))}
+              "kernels": sum(map(lines, KERNELS)), "varlen kernels": sum(map(lines, VARLEN))}
     over = {k: (v, LIMITS[k]) for k, v in counts.items() if v > LIMITS[k]}
     assert not over, f"over budget (lines, limit): {over}; engine path = {sorted(engine)}"
 
