@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -75,14 +75,12 @@ def _kernel_display_name() -> str:
     return KernelSpecManager().get_kernel_spec("python3").display_name
 
 
-@pytest.fixture
-def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path, str]]:
+def serve_lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, notebook: str,
+              write: Callable[[Path, str], None]) -> Iterator[tuple[str, Path, str]]:
     """A private JupyterLab server (its own config, runtime, workspace, settings and data dirs, so no user
-    setting or kernel leaks in); yields the URL of the test notebook, the server log and the kernel's
-    display name. The server is stopped even when the test fails."""
+    setting or kernel leaks in) serving ``notebook``, which ``write(path, kernel display name)`` creates;
+    yields its URL, the server log and the kernel's display name. Stopped even when the test fails."""
     _require_browser()
-    import nbformat
-
     dirs = {name: tmp_path / name for name in ("config", "runtime", "workspaces", "settings", "data", "nb")}
     for d in dirs.values():
         d.mkdir()
@@ -96,11 +94,7 @@ def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, 
     notification.mkdir(parents=True)
     (notification / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": kernel_name, "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
-    nbformat.write(nb, dirs["nb"] / "tracer.ipynb")
-
+    write(dirs["nb"] / notebook, kernel_name)
     port, token = _free_port(), secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={dirs['nb']}"]
@@ -119,9 +113,24 @@ def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, 
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"JupyterLab did not start:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/lab/tree/tracer.ipynb?token={token}", log_path, kernel_name
+        yield f"http://127.0.0.1:{port}/lab/tree/{notebook}?token={token}", log_path, kernel_name
     finally:
         _stop(proc)
+
+
+def _tracer_notebook(path: Path, kernel_name: str) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": kernel_name, "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path, str]]:
+    """``serve_lab`` with the tracer's test notebook."""
+    yield from serve_lab(tmp_path, monkeypatch, "tracer.ipynb", _tracer_notebook)
 
 
 def _stop(proc: subprocess.Popen) -> None:

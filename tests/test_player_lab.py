@@ -6,18 +6,11 @@ Uses the JupyterLab and Chromium setup of ``test_browser.py`` (skipped, or faile
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_browser import CHROMIUM, CHROMIUM_FLAGS, _free_port, _kernel_display_name, _require_browser, _stop
+from test_browser import CHROMIUM, CHROMIUM_FLAGS, serve_lab
 
 pytestmark = pytest.mark.browser
 CELL = "from pagedlib.teach.player import Player\nPlayer(['<b>frame zero</b>', '<b>frame one</b>'], start=0)"
@@ -40,41 +33,8 @@ def _notebook(path: Path, kernel_name: str) -> None:
 
 @pytest.fixture
 def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path, str]]:
-    """A private JupyterLab (its own config, runtime, workspace, settings and data dirs) serving the player
-    notebook; yields its URL, the server log and the kernel's display name; stopped even on failure."""
-    _require_browser()
-    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_WORKSPACES_DIR",
-                "JUPYTERLAB_SETTINGS_DIR", "JUPYTER_DATA_DIR"):
-        (tmp_path / var).mkdir()
-        monkeypatch.setenv(var, str(tmp_path / var))
-    monkeypatch.delenv("JUPYTER_PATH", raising=False)
-    news = tmp_path / "JUPYTERLAB_SETTINGS_DIR" / "@jupyterlab" / "apputils-extension"
-    news.mkdir(parents=True)
-    (news / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    kernel_name = _kernel_display_name()
-    (tmp_path / "nb").mkdir()
-    _notebook(tmp_path / "nb" / "player.ipynb", kernel_name)
-    port, token = _free_port(), secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path / 'nb'}"]
-    cmd += ["--allow-root"] if os.geteuid() == 0 else []
-    log_path = tmp_path / "jupyterlab.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not start:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/lab/tree/player.ipynb?token={token}", log_path, kernel_name
-    finally:
-        _stop(proc)
+    """``serve_lab`` (test_browser's private JupyterLab) with the player notebook."""
+    yield from serve_lab(tmp_path, monkeypatch, "player.ipynb", _notebook)
 
 
 def test_player_shows_its_start_frame_untrusted_and_steps_once_the_cell_ran(lab):

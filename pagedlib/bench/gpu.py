@@ -188,6 +188,18 @@ CORRECTNESS_CASES = [
 ]
 
 
+def _random_cache(lens: Sequence[int], dtype: torch.dtype, head_dim: int, block_size: int,
+                  device: str) -> PagedKVCache:
+    """Sequences 0.. of random K/V (2 KV heads) in shuffled blocks, NaN in every unused slot."""
+    num_blocks = sum(ceil_div(n, block_size) for n in lens) + 17
+    cache = PagedKVCache(num_blocks, 1, block_size, 2, head_dim, dtype=dtype, device=device,
+                         free_order=torch.randperm(num_blocks).tolist(), fill=float("nan"))
+    for s, n in enumerate(lens):
+        cache.add_sequence(s)
+        cache.append_tokens(s, *torch.randn(2, 1, n, 2, head_dim, device=device, dtype=dtype))
+    return cache
+
+
 def correctness(device: str = "cuda", cases: Sequence[tuple] = CORRECTNESS_CASES) -> list[dict[str, Any]]:
     """The kernel against the float64 oracle on fresh random inputs (mixed lengths, NaN in unused slots,
     2 KV heads), without split-K, with the heuristic's choice, and with 7 splits."""
@@ -195,12 +207,7 @@ def correctness(device: str = "cuda", cases: Sequence[tuple] = CORRECTNESS_CASES
 
     out = []
     for dtype, head_dim, block_size, group, lens in cases:
-        num_blocks = sum(ceil_div(n, block_size) for n in lens) + 17
-        cache = PagedKVCache(num_blocks, 1, block_size, 2, head_dim, dtype=dtype, device=device,
-                             free_order=torch.randperm(num_blocks).tolist(), fill=float("nan"))
-        for s, n in enumerate(lens):
-            cache.add_sequence(s)
-            cache.append_tokens(s, *torch.randn(2, 1, n, 2, head_dim, device=device, dtype=dtype))
+        cache = _random_cache(lens, dtype, head_dim, block_size, device)
         seqs = list(range(len(lens)))
         q = torch.randn(len(lens), 2 * group, head_dim, device=device, dtype=dtype)
         args = (q, *cache.layer(0), cache.block_table(seqs), cache.seq_lens_tensor(seqs))
@@ -230,12 +237,7 @@ def varlen_correctness(device: str = "cuda", cases: Sequence[tuple] = VARLEN_CAS
     out = []
     for dtype, head_dim, block_size, group, seqs in cases:
         lens, new = [c + n for c, n in seqs], [n for _, n in seqs]
-        num_blocks = sum(ceil_div(n, block_size) for n in lens) + 17
-        cache = PagedKVCache(num_blocks, 1, block_size, 2, head_dim, dtype=dtype, device=device,
-                             free_order=torch.randperm(num_blocks).tolist(), fill=float("nan"))
-        for s, n in enumerate(lens):
-            cache.add_sequence(s)
-            cache.append_tokens(s, *torch.randn(2, 1, n, 2, head_dim, device=device, dtype=dtype))
+        cache = _random_cache(lens, dtype, head_dim, block_size, device)
         ids = list(range(len(seqs)))
         q = torch.randn(sum(new), 2 * group, head_dim, device=device, dtype=dtype)
         qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
