@@ -180,12 +180,13 @@ class ChunkedScheduler(Scheduler):
         are admitted with their first chunk while tokens, ``max_num_seqs`` and blocks allow."""
         if done := [r.req_id for r in self.running if self.generated[r.req_id] >= r.output_len]:
             raise RuntimeError(f"requests {done} have all their tokens: call finish() for them first")
-        plan, pending = StepPlan(), 0  # pending: blocks this step's chunks take
+        plan, pending, gone = StepPlan(), 0, set()  # pending: blocks this step's chunks take; gone: preempted
         for r in list(self.running):
             n = min(self.todo(r), self.max_num_batched_tokens - plan.num_tokens, self.chunk_cap)
-            while r in self.running and self.blocks_for(r, n) + pending > self.cache.num_free_blocks:
-                plan.preempted.append(self.preempt_newest())
-            if n == 0 or r not in self.running:
+            while r.req_id not in gone and self.blocks_for(r, n) + pending > self.cache.num_free_blocks:
+                plan.preempted.append(victim := self.preempt_newest())
+                gone.add(victim.req_id)
+            if n == 0 or r.req_id in gone:
                 break
             pending += self.blocks_for(r, n)
             self.schedule(plan, r, n)
