@@ -401,10 +401,8 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
     rgb = np.pad(_occupancy_rgb(owner, filled), pad, constant_values=1.0).reshape(rows, width, 3)
     fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 4.0, 14.0), 0.55 * rows + 1.4)
     ax.imshow(rgb, interpolation="nearest", aspect="auto", origin="lower", extent=(0, width, 0, rows))
-    for c in range(cols + 1):
-        ax.axvline(c * bs, color="#555555", lw=0.8)
-    for r in range(rows + 1):
-        ax.axhline(r, color="#555555", lw=0.8)
+    ax.vlines(range(0, width + 1, bs), 0, rows, color="#555555", lw=0.8)  # a box per block
+    ax.hlines(range(rows + 1), 0, width, color="#555555", lw=0.8)
     for i in range(len(owner)):  # label each run of slots one request holds (a block, or a slab's row)
         new_block = result.policy == "paged" and i % bs == 0
         if owner[i] >= 0 and (i % width == 0 or new_block or owner[i] != owner[i - 1]):
@@ -485,8 +483,7 @@ def plot_itl(latencies: dict[str, dict], title: str = "") -> Figure:
         ax.scatter(lat["itl_at"], lat["itl"] * 1e3, s=4, color=color, label=mode, alpha=0.6)
         share = np.arange(1, len(itl) + 1) / len(itl) * 100
         cdf.plot(share, itl, color=color, label=mode)
-        for q in (50, 99):
-            cdf.plot(q, np.percentile(itl, q), "o", color=color, ms=4)
+        cdf.plot([50, 99], np.percentile(itl, [50, 99]), "o", color=color, ms=4)
     ax.set(xlabel="modelled time (s)", ylabel="inter-token latency (ms)", yscale="log")
     cdf.set(xlabel="share of gaps (%), p50 and p99 marked", ylabel="inter-token latency (ms)", yscale="log")
     ax.legend(frameon=False, fontsize=8, markerscale=3)
