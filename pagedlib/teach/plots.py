@@ -13,6 +13,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from pagedlib.checks import ceil_div
+from pagedlib.sim.simulate import CATEGORIES
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.teach.sizing import block_table_entries, paged_utilization
 
@@ -112,13 +113,17 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
 
 
 # --- notebook 02: block allocator -----------------------------------------------------------------
-def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
+def plot_block_pool(cache, cols: int | None = None) -> Figure:
     """The physical pool of a ``PagedKVCache``: a cell per block, ``cols`` a row, slots coloured by holder."""
     nb, bs, order = cache.num_blocks, cache.block_size, list(cache.tables)
     cols = cols or min(nb, 16)
     rows = ceil_div(nb, cols)
     fig, ax = _new_figure(min(0.62 * cols + 2.6, 13.0), 0.62 * rows + 1.0)
-    holders, fill, label = _pool_contents(cache)
+    holders = cache.block_holders()  # per block: the sequences holding it, in table order
+    fill = [max([0, *(min(bs, cache.seq_lens[s] - i * bs) for s, i in hs)]) for hs in cache.manager.holders()]
+    queue = cache.prefix_cache.free_queue if cache.prefix_cache else []  # cached free blocks, evicted first
+    label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}  # 1: the top of the free stack
+    label |= {b: f"e{i + 1}" for i, b in enumerate(queue)}
     for b in range(nb):
         x, y = b % cols, -(b // cols)
         if holders[b]:
@@ -132,19 +137,10 @@ def plot_block_pool(cache, title: str = "", cols: int | None = None) -> Figure:
     ax.set(xlim=(-0.1, cols), ylim=(-rows + 0.9, 1.15))
     ax.set_axis_off()
     used, stored = sum(map(bool, holders)), sum(fill)  # physical: a shared block and its slots count once
-    ax.set_title(title or f"Physical pool: {used}/{nb} blocks in use" + (
+    ax.set_title(f"Physical pool: {used}/{nb} blocks in use" + (
         f", {stored} of their {used * bs} slots hold a token ({stored / (used * bs):.0%})" if used else ""),
         fontsize=9, loc="left")
     return fig
-
-
-def _pool_contents(cache) -> tuple[list[list], list[int], dict[int, str]]:
-    """Per block: its holders (table order), its slots holding a token, and a free block's label."""
-    bs, entries = cache.block_size, cache.manager.holders()  # per block: (seq, logical index) naming it
-    fill = [max([0, *(min(bs, cache.seq_lens[s] - i * bs) for s, i in hs)]) for hs in entries]
-    queue = cache.prefix_cache.free_queue if cache.prefix_cache else []
-    label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}
-    return cache.block_holders(), fill, label | {b: f"e{i + 1}" for i, b in enumerate(queue)}
 
 
 def _draw_held_block(ax: plt.Axes, x: float, y: float, colors: list[str], fill: int, block_size: int) -> None:
@@ -176,7 +172,7 @@ def _pool_legend(cache, holders: list[list], fill: list[int], label: dict[int, s
     return handles + [Patch(label=text, **style) for shown, text, style in marks if shown]
 
 
-def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
+def plot_alloc_benchmark(rows: list[dict]) -> Figure:
     """Decode write throughput (tokens/s, log-log) against batch size per method in ``bench.alloc`` rows."""
     fig, ax = _new_figure(6.5, 3.4)
     decode = [r for r in rows if r["phase"] == "decode"]
@@ -188,7 +184,7 @@ def plot_alloc_benchmark(rows: list[dict], title: str = "") -> Figure:
            ylabel="tokens written per second (log scale)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
-    ax.set_title(title or "Writing one decode step into the KV cache", fontsize=9)
+    ax.set_title("Writing one decode step into the KV cache", fontsize=9)
     return fig
 
 
@@ -319,8 +315,6 @@ def plot_waste_breakdown(ours: dict[str, dict[str, float]], paper: dict[str, dic
 
 def plot_serving_timeline(results: list) -> Figure:
     """Per step, for each ``SimResult``: the share of KV memory holding tokens (top), requests running."""
-    from pagedlib.sim.simulate import CATEGORIES
-
     fig, (top, bottom) = _new_figure(9.0, 5.0, nrows=2, sharex=True)
     for r in results:
         every = max(1, len(r.series["step"]) // 1500)  # at most ~1,500 points a line
@@ -363,7 +357,7 @@ def _occupancy_rgb(owner, filled):
     return rgb
 
 
-def plot_pool_occupancy(results: list, title: str = "") -> Figure:
+def plot_pool_occupancy(results: list) -> Figure:
     """The pool over time (x: step, y: slot address), a panel per ``SimResult`` with ``record_occupancy``."""
     fig, axes = _new_figure(4.4 * len(results) + 2.0, 4.0, ncols=len(results), squeeze=False, sharex=True,
                             sharey=True)
@@ -382,7 +376,7 @@ def plot_pool_occupancy(results: list, title: str = "") -> Figure:
         ax.set_title(f"{r.policy}: mean {r.mean_running:.1f} running, {r.steps} steps, "
                      f"{r.preemptions} preemptions", fontsize=9)
     _legend_right(axes[0][-1], _occupancy_legend())
-    return _suptitle(fig, title)
+    return fig
 
 
 def _occupancy_legend() -> list:
@@ -407,10 +401,8 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
     rgb = np.pad(_occupancy_rgb(owner, filled), pad, constant_values=1.0).reshape(rows, width, 3)
     fig, ax = _new_figure(min(0.5 * cols * max(bs, 4) / 4 + 4.0, 14.0), 0.55 * rows + 1.4)
     ax.imshow(rgb, interpolation="nearest", aspect="auto", origin="lower", extent=(0, width, 0, rows))
-    for c in range(cols + 1):
-        ax.axvline(c * bs, color="#555555", lw=0.8)
-    for r in range(rows + 1):
-        ax.axhline(r, color="#555555", lw=0.8)
+    ax.vlines(range(0, width + 1, bs), 0, rows, color="#555555", lw=0.8)  # a box per block
+    ax.hlines(range(rows + 1), 0, width, color="#555555", lw=0.8)
     for i in range(len(owner)):  # label each run of slots one request holds (a block, or a slab's row)
         new_block = result.policy == "paged" and i % bs == 0
         if owner[i] >= 0 and (i % width == 0 or new_block or owner[i] != owner[i - 1]):
@@ -455,10 +447,9 @@ def plot_prefix_caching(results: dict[str, object], title: str = "") -> Figure:
 
 
 # --- notebook 08: end to end ----------------------------------------------------------------------
-def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") -> Figure:
-    """Blocks held per request after each engine step, stacked; a mark where one finished or was preempted.
-
-    ``history``: per step, ``blocks`` (request id -> blocks held), ``preempted`` and ``finished`` (ids)."""
+def plot_engine_timeline(history: list[dict], num_blocks: int, title: str) -> Figure:
+    """Blocks held per request after each step (``history``: per step, ``blocks``: request id -> blocks held,
+    and the ids ``preempted`` and ``finished``), stacked, with a mark where one finished or was preempted."""
     fig, ax = _new_figure(8.0, 3.2)
     ids = sorted({r for h in history for r in h["blocks"]} | {r for h in history for r in h["finished"]})
     steps, bottom = range(len(history)), [0] * len(history)
@@ -479,22 +470,20 @@ def plot_engine_timeline(history: list[dict], num_blocks: int, title: str = "") 
            xlim=(-0.5, len(history) - 0.5))
     ax.set_yticks(range(0, num_blocks + 1, ceil_div(num_blocks, 8)))  # whole blocks only
     _legend_right(ax, ax.get_legend_handles_labels()[0] + marks)
-    ax.set_title(title or "Blocks held per request after each step", fontsize=9)
+    ax.set_title(title, fontsize=9)
     return fig
 
 
 # --- notebook 09: chunked prefill -----------------------------------------------------------------
 def plot_itl(latencies: dict[str, dict], title: str = "") -> Figure:
-    """Inter-token latency per mode (``SimResult.latencies(cost)``, seconds): every gap at the time it ended
-    (left), and all gaps sorted (right), p50 and p99 marked."""
+    """Inter-token latency per mode (``SimResult.latencies``): each gap when it ended, and all gaps sorted."""
     fig, (ax, cdf) = _new_figure(10.0, 3.4, ncols=2, width_ratios=[1.6, 1])
     for i, (mode, lat) in enumerate(latencies.items()):
         color, itl = OWNER_COLORS[2 * i], np.sort(lat["itl"]) * 1e3
         ax.scatter(lat["itl_at"], lat["itl"] * 1e3, s=4, color=color, label=mode, alpha=0.6)
         share = np.arange(1, len(itl) + 1) / len(itl) * 100
         cdf.plot(share, itl, color=color, label=mode)
-        for q in (50, 99):
-            cdf.plot(q, np.percentile(itl, q), "o", color=color, ms=4)
+        cdf.plot([50, 99], np.percentile(itl, [50, 99]), "o", color=color, ms=4)
     ax.set(xlabel="modelled time (s)", ylabel="inter-token latency (ms)", yscale="log")
     cdf.set(xlabel="share of gaps (%), p50 and p99 marked", ylabel="inter-token latency (ms)", yscale="log")
     ax.legend(frameon=False, fontsize=8, markerscale=3)
@@ -503,10 +492,9 @@ def plot_itl(latencies: dict[str, dict], title: str = "") -> Figure:
 
 
 def plot_step_layout(seq_ids: list, starts: list[int], counts: list[int], kinds: list[str], tables: dict,
-                     block_size: int, title: str = "") -> Figure:
-    """One step's flat token layout: sequence ``seq_ids[i]`` brings ``counts[i]`` tokens (``kinds[i]``: a
-    decode, a chunk...) at positions ``starts[i]...``; each cell shows its position and the slot (block,
-    offset, through ``tables[seq_id]``) its K/V is written to."""
+                     block_size: int) -> Figure:
+    """One step's flat tokens: ``seq_ids[i]`` brings ``counts[i]`` tokens (a ``kinds[i]``) from position
+    ``starts[i]``; a cell shows a token's position and the slot (``block.offset``) its K/V goes to."""
     total = sum(counts)
     fig, ax = _new_figure(max(6.0, 0.42 * total + 1.5), 2.0)
     x, handles = 0, []
@@ -526,13 +514,12 @@ def plot_step_layout(seq_ids: list, starts: list[int], counts: list[int], kinds:
            xlabel="flat token index in the step (query_start_loc marked below the cells)")
     ax.set_xticks([])
     _legend_right(ax, handles)
-    return _suptitle(fig, title or "cells: position (top), block.offset of its slot (bottom)")
+    return _suptitle(fig, "cells: position (top), block.offset of its slot (bottom)")
 
 
 # --- notebook 10: an FP8 KV cache -------------------------------------------------------------------
 def plot_representable(values: dict[str, np.ndarray], lo: float = 0.5, hi: float = 4.0) -> Figure:
-    """Every value each format can hold in ``[lo, hi]``, one row per format (``values``: name -> all its
-    finite values), on a log-2 axis: the spacing doubles at each power of two."""
+    """Every finite value (``values``: format -> its values) in ``[lo, hi]``, a row per format, log-2 axis."""
     fig, ax = _new_figure(8.0, 0.6 + 0.45 * len(values))
     for row, (name, v) in enumerate(values.items()):
         v = np.unique(v[(v >= lo) & (v <= hi)])
@@ -546,13 +533,12 @@ def plot_representable(values: dict[str, np.ndarray], lo: float = 0.5, hi: float
     return fig
 
 
-def plot_rounding_errors(errors: dict[str, np.ndarray], limit: float = 15.0, bins: int = 60) -> Figure:
-    """Histogram of relative rounding errors ``(fp8 - x) / |x|`` in percent (within +-``limit``), one
-    outline per format; the legend gives each format's root-mean-square error."""
+def plot_rounding_errors(errors: dict[str, np.ndarray]) -> Figure:
+    """Histogram of relative rounding errors ``(fp8 - x) / |x|`` in % (within +-15), an outline per format."""
     fig, ax = _new_figure(7.0, 3.0)
     for i, (name, e) in enumerate(errors.items()):
         rms = np.sqrt(np.mean(e**2)) * 100
-        ax.hist(e * 100, bins=bins, range=(-limit, limit), histtype="step", lw=1.8, color=OWNER_COLORS[i],
+        ax.hist(e * 100, bins=60, range=(-15, 15), histtype="step", lw=1.8, color=OWNER_COLORS[i],
                 weights=np.full(len(e), 100 / len(e)), label=f"{name} (rms {rms:.1f}%)")
     ax.set(xlabel="relative rounding error (%)", ylabel="share of elements (%)",
            title="Rounding error of the tiny model's K and V")

@@ -33,10 +33,9 @@ def _decode_source(spec: dict[str, Any]) -> ASTSource:
     signature = {n: "*" + pointers[n] if n in pointers else "fp32" if n == "qk_scale" else "i32"
                  for n in fn.arg_names}
     constexprs: dict[str, Any] = {**triton_decode.kernel_config(head_dim, spec["group"]),
-                                  "BLOCK_SIZE": spec["block_size"], "SPLIT": split, "DOT_FP32": False,
-                                  "SCALED": kv != dtype,
-                                  **dict.fromkeys(unit, 1),
-                                  "PRECISION": "ieee" if dtype == "float32" else "tf32"}
+                                  "BLOCK_SIZE": spec["block_size"], "SPLIT": split, "SCALED": kv != dtype,
+                                  "DOT_FP32": False, "PRECISION": "ieee" if dtype == "float32" else "tf32",
+                                  **dict.fromkeys(unit, 1)}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
              if n.endswith("_ptr") or (n.startswith("stride_") and n not in unit and n != "stride_tb")}
@@ -70,11 +69,10 @@ def _compile_here(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
-    """Compile several configurations in one subprocess with ``TRITON_INTERPRET=0``. Each spec: ``arch`` (80,
-    90, ...) and either the decode kernel's ``dtype``, ``head_dim``, ``block_size``, ``group``, ``split`` (and
-    optionally the cache's ``kv_dtype``, e.g. ``"float8_e4m3fn"``), or
-    ``kernel="merge"`` with ``head_dim``, ``num_splits`` and optionally ``dtype`` (of the output). Returns the
-    specs with ``ptx``, ``seconds``, ``shared_bytes``."""
+    """Compile several specs in one ``TRITON_INTERPRET=0`` subprocess; returns them with ``ptx``, ``seconds``,
+    ``shared_bytes``. A spec: ``arch`` (80, 90, ...) and the decode kernel's ``dtype``, ``head_dim``,
+    ``block_size``, ``group``, ``split`` (optionally the cache's ``kv_dtype``), or ``kernel="merge"`` with
+    ``head_dim``, ``num_splits`` and optionally the output's ``dtype``."""
     code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups
             "from pagedlib.teach import ptx\n"
             "json.dump(ptx._compile_here(json.load(sys.stdin)), sys.stdout)\n")
