@@ -155,7 +155,7 @@ class BlockTableTracer:
         """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref."""
         seq_id, cache = _checks.target(seq_id, self._selected, self.cache.tables), self.cache
         blocks, freed = list(cache.tables[seq_id]), cache.free_sequence(seq_id)
-        plain, cached = ([b for b in freed if cache.is_cached(b) == q] for q in (False, True))  # kept K/V?
+        plain, cached = ([b for b in freed if cache.is_cached(b) == q] for q in (False, True))
         kept = [b for b in blocks if b not in freed]
         said = [f"{_ids(plain)} went back on the free stack, {cache.free[-1]} on top" if plain else "",
                 f"{_ids(cached)} kept as cached free: the K/V stay findable" if cached else "",
@@ -255,9 +255,9 @@ class BlockTableTracer:
         old, copies = list(cache.tables[seq_id]), cache.cow_copies
         refs = cache.ref_counts[old[-1]] if old else 0
         queued = set(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else set()
-        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p
+        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p, with token id p
         kv = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
-        cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))  # ids = positions (prefix caching)
+        cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))
         table = cache.tables[seq_id]
         if cache.cow_copies > copies:
             self._copied = (old[-1], table[len(old) - 1])
