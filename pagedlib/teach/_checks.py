@@ -59,7 +59,7 @@ def new_prompt(cache: Any, seq_id: int, prompt_len: object) -> tuple[int, list[i
     n, pc = tokens("prompt_len", prompt_len, cache, minimum=0), cache.prefix_cache
     found = pc.peek(range(n)) if pc is not None and n else []
     need = ceil_div(n, cache.block_size) - len(found)
-    free = cache.num_free_blocks - sum(b in pc.free_queue for b in found) if found else cache.num_free_blocks
+    free = cache.num_free_blocks - sum(b in pc.free_queue for b in found)  # attached: no longer free
     if need > free:
         hit = len(found) * cache.block_size
         what = (f"the last {n - hit} tokens of a {n}-token prompt of sequence {seq_id} (the first {hit} "

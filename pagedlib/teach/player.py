@@ -1,9 +1,8 @@
 """Players: frames computed in Python, stepped in the page with no kernel (notebooks 03 and 06, the site).
 
-A ``Player`` is plain HTML and a few lines of inline script: every frame is in the page, one of them
-visible; the script wires a slider, Back, Play and Forward to show one frame at a time. The same output
-works on the static website and in JupyterLab. Where no script runs (a notebook JupyterLab does not trust
-yet) that one frame still shows, the controls stay disabled and a note says why."""
+A ``Player`` is plain HTML holding every frame, one visible, and a few lines of inline script wiring its
+controls: the same output works on the static website and in JupyterLab. Where no script runs (a notebook
+JupyterLab does not trust yet) that one frame still shows, the controls stay disabled and a note says why."""
 
 from __future__ import annotations
 
@@ -52,10 +51,8 @@ class Player:
     """Step through ``frames`` (HTML strings) with a slider, Back, Play and Forward, in the page.
 
     Args:
-        frames: the HTML of each frame, first to last.
         labels: the text shown beside the slider for each frame (default ``frame k of n``).
         start: the frame shown first, and the only one where no script runs.
-        interval_ms: the time between two frames while playing.
     """
 
     def __init__(self, frames: Sequence[str], labels: Sequence[str] | None = None, *, start: int = 0,

@@ -46,17 +46,15 @@ def _action(method: Callable[..., Any]) -> Callable[..., Any]:
     """A tracer action: redraw; on failure (which changes nothing) show the error and re-raise it."""
     @functools.wraps(method)
     def run(self: BlockTableTracer, *args: Any, **kwargs: Any) -> Any:
-        copied, self._copied = self._copied, None  # the copy-on-write highlight is the last action's
+        copied, self._copied, self._error = self._copied, None, ""  # highlight only the last action's copy
         try:
-            result = method(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
         except _USER_ERRORS as exc:
             hint = " Free a sequence to make room." if isinstance(exc, OutOfBlocksError) else ""
             self._copied, self._error = copied, f"Error: {str(exc).rstrip('.')}.{hint} Nothing changed."
-            self._render()
             raise
-        self._error = ""
-        self._render()
-        return result
+        finally:
+            self._render()
     return run
 
 
@@ -157,8 +155,7 @@ class BlockTableTracer:
         """Free ``seq_id`` (default: the selected sequence): each of its blocks loses a ref."""
         seq_id, cache = _checks.target(seq_id, self._selected, self.cache.tables), self.cache
         blocks, freed = list(cache.tables[seq_id]), cache.free_sequence(seq_id)
-        queue = cache.prefix_cache.free_queue if cache.prefix_cache is not None else {}
-        plain, cached = ([b for b in freed if (b in queue) == q] for q in (False, True))
+        plain, cached = ([b for b in freed if cache.is_cached(b) == q] for q in (False, True))
         kept = [b for b in blocks if b not in freed]
         said = [f"{_ids(plain)} went back on the free stack, {cache.free[-1]} on top" if plain else "",
                 f"{_ids(cached)} kept as cached free: the K/V stay findable" if cached else "",
@@ -212,8 +209,7 @@ class BlockTableTracer:
         return self.view.value
 
     def frames(self) -> list[str]:
-        """The view of every step of the history, first to last (what Back and Forward show; for a
-        ``Player``, which steps through them with no kernel)."""
+        """The view of every step of the history, first to last: what Back and Forward show."""
         return [render_html(s.cache, selected=s.selected, lookup=s.lookup, copied=s.copied, log=s.log)
                 for s in self._history]
 
@@ -236,10 +232,8 @@ class BlockTableTracer:
         self._at, self._scripted = len(self._history) - 1, False
 
     def _restore(self, at: int) -> None:
-        step = self._history[at]
-        self.cache = copy.deepcopy(step.cache)  # the snapshot itself is never written to
-        self._at, self._next_id, self._selected = at, step.next_id, step.selected
-        self._lookup, self._copied, self._log = step.lookup, step.copied, step.log
+        self._at, step = at, copy.deepcopy(self._history[at])  # the snapshot itself is never written to
+        self.cache, self._next_id, self._selected, self._lookup, self._copied, self._log = step
 
     def _choose(self, seq_id: int | None) -> None:
         """Select ``seq_id`` and ring its last token: the lookup and the reads show the same sequence."""
@@ -261,12 +255,9 @@ class BlockTableTracer:
         old, copies = list(cache.tables[seq_id]), cache.cow_copies
         refs = cache.ref_counts[old[-1]] if old else 0
         queued = set(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else set()
-        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p
+        # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p, with token id p
         kv = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
-        if n == 1:  # token ids are positions too (prefix caching finds blocks by them)
-            cache.append_token(seq_id, kv[:, 0], kv[:, 0], start)
-        else:
-            cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))
+        cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))
         table = cache.tables[seq_id]
         if cache.cow_copies > copies:
             self._copied = (old[-1], table[len(old) - 1])

@@ -28,12 +28,8 @@ LOOKUP = "#E0007A"  # the ring of the looked-up slot, its block and its table en
 _RING = f"outline:3px solid {LOOKUP};outline-offset:1px"
 _SHARED = "4px double #111"  # the border of a block several tables hold
 _COPY, _COPY_EDGE = "#FFF1C2", "#B07D00"  # the block a copy-on-write just made
-
-
-def _hatch(color: str) -> str:
-    """A slot its block holds but no token fills yet: hatched in the holder's colour."""
-    return f"background:repeating-linear-gradient(45deg,#fff 0 3px,{color}88 3px 6px);color:#999;" \
-        f"border:1px solid {color}"
+_HATCH = ("background:repeating-linear-gradient(45deg,#fff 0 3px,{0}88 3px 6px);color:#999;"
+          "border:1px solid {0}")  # a slot held but not yet written: hatched in its holder's colour {0}
 
 
 def _el(tag: str, style: str, body: str = "", cls: str = "", title: str = "", **data: object) -> str:
@@ -107,7 +103,7 @@ def _legend(cache: PagedKVCache) -> str:
     keys += [(f"background:{FREE_COLOR};border:1px dashed #BBB", "grey: free")]
     if cache.prefix_cache is not None:
         keys += [(f"background:{CACHED_COLOR};border:1px solid {CACHED_EDGE}", "green: free, content cached")]
-    keys += [(_hatch("#555"), "hatched: held, not yet written"),
+    keys += [(_HATCH.format("#555"), "hatched: held, not yet written"),
              (f"border:{_SHARED}", "double border: shared by N tables (N refs)"),
              (f"background:{_COPY};border:1px solid {_COPY_EDGE}", "amber: just copied (copy-on-write)"),
              (f"border:3px solid {LOOKUP}", "pink ring: the lookup")]
@@ -187,7 +183,7 @@ def _card_tag(holders: Sequence[int], copy_of: int | None) -> str:
 
 def _slot(offset: int, label: str, color: str, ring: bool) -> str:
     """One slot: filled in its holder's colour, or hatched (held, not yet written)."""
-    look = f"background:{color};border:1px solid {color};color:#fff" if label else _hatch(color)
+    look = f"background:{color};border:1px solid {color};color:#fff" if label else _HATCH.format(color)
     return _el("span", f"{_SLOT};{look}" + f";{_RING}" * ring, label or "&middot;",
                "pt-slot" + " is-filled" * bool(label) + " is-lookup" * ring, slot=offset)
 
