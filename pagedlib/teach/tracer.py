@@ -257,7 +257,10 @@ class BlockTableTracer:
         queued = set(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else set()
         # [num_layers=1, n, kv_heads=1, head_dim=2]: token p is written as k = v = p, with token id p
         kv = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1).repeat(1, 1, 1, 2)
-        cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))
+        if n == 1:  # a decode step's call, as notebook 03 says
+            cache.append_token(seq_id, kv[:, 0], kv[:, 0], start)
+        else:
+            cache.append_tokens(seq_id, kv, kv, list(range(start, start + n)))
         table = cache.tables[seq_id]
         if cache.cow_copies > copies:
             self._copied = (old[-1], table[len(old) - 1])
