@@ -18,11 +18,8 @@ __version__ = "0.1.0"
 
 
 def _choose_triton_mode() -> None:
-    """Run Triton kernels through its interpreter when there is no CUDA device.
-
-    Triton reads ``TRITON_INTERPRET`` once, when it is first imported, so this must run before any
-    ``import triton``. An explicit setting by the user always wins.
-    """
+    """Run Triton kernels through its interpreter when there is no CUDA device and the user set no
+    ``TRITON_INTERPRET`` (Triton reads it once, at its first import: this runs before ``import triton``)."""
     if "TRITON_INTERPRET" in os.environ:
         return
     import torch

@@ -154,12 +154,11 @@ def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple
 
 def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
     seq(cache, seq_id)
-    if cache.prefix_cache is not None:
-        raise ValueError("release_leading_blocks needs a cache without prefix caching "
-                         "(enable_prefix_caching=False)")
-    if shared := [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]:
-        raise ValueError(f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; "
-                         f"blocks {shared} are shared (fork)")
+    shared = [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]
+    refuse((cache.prefix_cache is not None, "release_leading_blocks needs a cache without prefix caching "
+                                            "(enable_prefix_caching=False)"),
+           (shared, f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; blocks {shared} "
+                    f"are shared (fork)"))
     return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)
 
 
@@ -173,6 +172,5 @@ def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:
 def width(tables: list[list[int]], width: object) -> int:
     longest = max(map(len, tables), default=0)
     width = longest if width is None else as_int("width", width)
-    if width < longest:
-        raise ValueError(f"width must be >= {longest} (the longest table), got {width}")
+    refuse((width < longest, f"width must be >= {longest} (the longest table), got {width}"))
     return width

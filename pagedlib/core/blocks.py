@@ -1,8 +1,7 @@
-"""The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``): free stack, reference counts,
-block tables, copy-on-write and the prefix-cache hooks, in pure Python. It trusts its arguments
+"""The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``) in pure Python: free stack,
+reference counts, block tables, copy-on-write and the prefix-cache hooks. It trusts its arguments
 (``PagedKVCache`` checks them); ``reserve`` undoes itself whatever stops it, ``KeyboardInterrupt`` included.
-One thread at a time, like nano-vllm and vLLM: a caller that shares it between threads serialises the calls.
-"""
+One thread at a time, like nano-vllm and vLLM: a caller sharing it between threads serialises the calls."""
 
 from __future__ import annotations
 
