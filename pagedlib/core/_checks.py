@@ -21,9 +21,8 @@ class UnknownSequenceError(KeyError):
     """A sequence id that the cache does not hold (a ``KeyError``; ``args[0]`` is the id)."""
 
     def __init__(self, seq_id: Hashable, live: Iterable[Hashable] = ()) -> None:
-        live = tuple(live)[:9]  # enough to show 8 and say whether there are more
-        super().__init__(seq_id, live)
-        self.seq_id, self.live = seq_id, live
+        self.seq_id, self.live = seq_id, tuple(live)[:9]  # enough to show 8 and say whether there are more
+        super().__init__(seq_id, self.live)
 
     def __str__(self) -> str:  # KeyError would print only repr(args)
         shown = ", ".join(repr(s) for s in self.live[:8]) + (", ..." if len(self.live) > 8 else "")
@@ -89,8 +88,7 @@ def seq(cache, seq_id: Hashable, name: str = "seq_id", new: bool = False) -> Non
 
 
 def token_ids(cache, name: str, token_ids: Sequence[int] | None, n: int | None = None) -> list[int] | None:
-    """``n`` token ids (``None``: any number) as ints from a list, tuple, range or 1-d tensor; ``None`` stays
-    ``None`` unless prefix caching needs them."""
+    """``n`` token ids (``None``: any number) as ints from a list, tuple, range or 1-d tensor, or ``None``."""
     if token_ids is None:
         if cache.manager.prefix_cache is not None and n:
             raise ValueError(f"{name} is required when prefix caching is on (blocks are found by them)")
