@@ -16,19 +16,10 @@ import os
 
 __version__ = "0.1.0"
 
-
-def _choose_triton_mode() -> None:
-    """Run Triton kernels through its interpreter when there is no CUDA device.
-
-    Triton reads ``TRITON_INTERPRET`` once, when it is first imported, so this must run before any
-    ``import triton``. An explicit setting by the user always wins.
-    """
-    if "TRITON_INTERPRET" in os.environ:
-        return
+# Without CUDA the kernels run through Triton's interpreter. Triton reads TRITON_INTERPRET once, at its first
+# import, so it is set here, before any ``import triton``; a setting of the user's own wins.
+if "TRITON_INTERPRET" not in os.environ:
     import torch
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-
-
-_choose_triton_mode()

@@ -21,9 +21,8 @@ class UnknownSequenceError(KeyError):
     """A sequence id that the cache does not hold (a ``KeyError``; ``args[0]`` is the id)."""
 
     def __init__(self, seq_id: Hashable, live: Iterable[Hashable] = ()) -> None:
-        live = tuple(live)[:9]  # enough to show 8 and say whether there are more
-        super().__init__(seq_id, live)
-        self.seq_id, self.live = seq_id, live
+        self.seq_id, self.live = seq_id, tuple(live)[:9]  # enough to show 8 and say whether there are more
+        super().__init__(seq_id, self.live)
 
     def __str__(self) -> str:  # KeyError would print only repr(args)
         shown = ", ".join(repr(s) for s in self.live[:8]) + (", ..." if len(self.live) > 8 else "")
@@ -89,8 +88,7 @@ def seq(cache, seq_id: Hashable, name: str = "seq_id", new: bool = False) -> Non
 
 
 def token_ids(cache, name: str, token_ids: Sequence[int] | None, n: int | None = None) -> list[int] | None:
-    """``n`` token ids (``None``: any number) as ints from a list, tuple, range or 1-d tensor; ``None`` stays
-    ``None`` unless prefix caching needs them."""
+    """``n`` token ids (``None``: any number) as ints from a list, tuple, range or 1-d tensor, or ``None``."""
     if token_ids is None:
         if cache.manager.prefix_cache is not None and n:
             raise ValueError(f"{name} is required when prefix caching is on (blocks are found by them)")
@@ -154,12 +152,11 @@ def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple
 
 def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
     seq(cache, seq_id)
-    if cache.prefix_cache is not None:
-        raise ValueError("release_leading_blocks needs a cache without prefix caching "
-                         "(enable_prefix_caching=False)")
-    if shared := [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]:
-        raise ValueError(f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; "
-                         f"blocks {shared} are shared (fork)")
+    shared = [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]
+    refuse((cache.prefix_cache is not None, "release_leading_blocks needs a cache without prefix caching "
+                                            "(enable_prefix_caching=False)"),
+           (shared, f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; blocks {shared} "
+                    f"are shared (fork)"))
     return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)
 
 
@@ -173,6 +170,5 @@ def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:
 def width(tables: list[list[int]], width: object) -> int:
     longest = max(map(len, tables), default=0)
     width = longest if width is None else as_int("width", width)
-    if width < longest:
-        raise ValueError(f"width must be >= {longest} (the longest table), got {width}")
+    refuse((width < longest, f"width must be >= {longest} (the longest table), got {width}"))
     return width

@@ -1,8 +1,7 @@
-"""The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``): free stack, reference counts,
-block tables, copy-on-write and the prefix-cache hooks, in pure Python. It trusts its arguments
+"""The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``) in pure Python: free stack,
+reference counts, block tables, copy-on-write and the prefix-cache hooks. It trusts its arguments
 (``PagedKVCache`` checks them); ``reserve`` undoes itself whatever stops it, ``KeyboardInterrupt`` included.
-One thread at a time, like nano-vllm and vLLM: a caller that shares it between threads serialises the calls.
-"""
+One thread at a time, like nano-vllm and vLLM: a caller sharing it between threads serialises the calls."""
 
 from __future__ import annotations
 
@@ -231,12 +230,12 @@ class BlockManager:
         free = self.free + list(self.prefix_cache.free_queue if self.prefix_cache else [])
         for b in free:
             _check_id(b, self.num_blocks, "the free stack")
-        if len(set(free)) != len(free):
+        if len(free_set := set(free)) != len(free):
             raise InvariantError("2: a block appears twice among the free blocks")
         if on_both := [b for b in free if holders[b]]:
             raise InvariantError(f"2: block {on_both[0]} is held by sequence {holders[on_both[0]][0][0]!r} "
                                  f"and also on the free stack")
-        if lost := [b for b in range(self.num_blocks) if not holders[b] and b not in set(free)]:
+        if lost := [b for b in range(self.num_blocks) if not holders[b] and b not in free_set]:
             raise InvariantError(f"2: blocks {lost} are neither free nor held (leaked)")
         for s, n in self.seq_lens.items():
             if len(self.tables[s]) != ceil_div(n, bs):

@@ -79,8 +79,7 @@ class FirstFit:
 
 
 class SlabBudget(FirstFit):
-    """A contiguous slab per request, sized by ``policy`` when it is admitted and placed first-fit in
-    ``num_blocks * block_size`` slots; the cache only stores the tokens."""
+    """A slab per request, sized by ``policy`` on admission, placed first-fit; the cache only holds tokens."""
 
     def __init__(self, policy: str, num_blocks: int, block_size: int, max_model_len: int) -> None:
         super().__init__(num_blocks * block_size)

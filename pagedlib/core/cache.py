@@ -108,8 +108,7 @@ class PagedKVCache:
 
     def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
                 token_ids: Sequence[int] | None = None) -> list[list[int]]:
-        """``BlockManager.reserve`` plus the copies, no K/V written (the model writes it layer by layer).
-        Returns each sequence's flat slot ids."""
+        """``BlockManager.reserve``'s slots, copies made, no K/V written (the model writes it by layer)."""
         ids, counts, tokens = checks.reservation(self, seq_ids, counts, token_ids)
         return self.manager.reserve(ids, counts, tokens, lambda _, copies: self.pool.copy_blocks(copies))[0]
 

@@ -29,10 +29,9 @@ def dequantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype 
 
 def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_head: bool = False
              ) -> float | torch.Tensor:
-    """The scale that maps ``x``'s largest magnitude onto ``dtype``'s largest finite value: amax / fp8 max
-    (vLLM's ``calculate_kv_scales`` divides by 200 for K and 100 for V instead, leaving headroom for later
-    data). ``x``: ``[..., kv_heads, head_dim]``; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An
-    all-zero head gets 1.0."""
+    """The scale that maps ``x``'s largest magnitude onto ``dtype``'s largest finite value, amax / fp8 max
+    (vLLM's ``calculate_kv_scales`` divides by 200 for K, 100 for V: headroom). ``x``: ``[..., kv_heads,
+    head_dim]``; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An all-zero head gets 1.0."""
     amax = x.detach().abs().float().movedim(-2, 0).reshape(x.shape[-2], -1).amax(1)  # [kv_heads]
     amax = amax if per_kv_head else amax.max()[None]
     scale = torch.where(amax > 0, amax / torch.finfo(dtype).max, 1.0)

@@ -1,8 +1,6 @@
 """Radix prefix cache (notebook 11), SGLang's ``RadixCache`` on our block pool: a tree whose edges are runs of
-token ids, each node holding the blocks of its run, children keyed by their first block of tokens (a page;
-block size 1 is SGLang's default, token granularity). A prompt walks down from the root; full blocks join the
-tree as they fill; blocks nobody holds stay in the tree until the least recently used leaf gives up its last.
-The hooks are ``PrefixCache``'s, so the same ``BlockManager`` runs either design."""
+token ids, children keyed by their first block of tokens (a page; SGLang's default is one token). The hooks
+are ``PrefixCache``'s, so the same ``BlockManager`` runs either design."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ class TreeNode:
 class RadixCache:
     """``root``: the empty run; ``node_of[b]``: the node holding cached block ``b``; ``free_queue``: cached
     blocks nobody holds (SGLang's unlocked nodes: a table holding a block is its lock); ``leaves``: a heap of
-    ``(last use, leaf)`` candidates for eviction, checked when popped (an entry goes stale when its leaf is
-    used again, grows children or loses its blocks)."""
+    eviction candidates ``(last use, leaf)``, stale once the leaf is used again, grows or loses its blocks."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = as_int("block_size", block_size, minimum=1)
