@@ -202,14 +202,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, k_scale: float | torch.Tensor = 1.0,
                            v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``paged_attention`` with K/V read straight from the paged pool by the fused kernel, every argument
-    checked first; ``num_splits``: partitions of the context (split-K; ``None``: ``choose_num_splits``);
-    ``k_scale``, ``v_scale``: an fp8 cache's scales, as for ``paged_attention``.
-    No backward pass: inputs that require grad are refused while autograd records."""
+    checked first (no backward pass: inputs that require grad are refused while autograd records);
+    ``num_splits``: partitions of the context (split-K; ``None``: ``choose_num_splits``)."""
     check_mode()
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
-    scale, num_splits = softmax_scale(q.shape[-1], scale), check_triton(q, k_cache, v_cache, num_splits,
-                                                                        compiled=not interpreting())
+    scale = softmax_scale(q.shape[-1], scale)
+    num_splits = check_triton(q, k_cache, v_cache, num_splits, compiled=not interpreting())
     if num_splits is None:
         max_context = block_tables.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context, sm_count(q.device))
