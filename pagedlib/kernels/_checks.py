@@ -12,7 +12,6 @@ from pagedlib.core._checks import scales
 from pagedlib.core.fp8 import FP8_DTYPES
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DTYPE_NAMES = [str(d) for d in SUPPORTED_DTYPES]
 MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 256, 128, 64  # the Triton kernel's limits
 PAGED_ARGS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens")
 
@@ -33,30 +32,36 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int
             raise ValueError(f"{name} must be a dense torch.Tensor, got {what}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    hint = " (one query token per sequence; for several, paged_prefill_attention)" if q.dim() == 4 else ""
-    refuse((q.dim() != 3, f"q must have shape [batch, q_heads, head_dim], got {list(q.shape)}{hint}"),
-           (k_cache.dim() != 4, "k_cache must have shape [num_blocks, block_size, kv_heads, head_dim], "
-                                f"got {list(k_cache.shape)}"),
-           (v_cache.shape != k_cache.shape,
-            f"v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}"))
-    for i, what in enumerate(("block_size", "kv_heads", "head_dim"), start=1):
-        refuse((k_cache.shape[i] < 1,
-                f"k_cache's {what} (dim {i}) must be >= 1, got shape {list(k_cache.shape)}"))
+    if q.dim() != 3:
+        hint = " (one query token per sequence; for several, paged_prefill_attention)" if q.dim() == 4 else ""
+        raise ValueError(f"q must have shape [batch, q_heads, head_dim], got {list(q.shape)}{hint}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must have shape [num_blocks, block_size, kv_heads, head_dim], "
+                         f"got {list(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {list(k_cache.shape)}, "
+                         f"got {list(v_cache.shape)}")
     (batch, q_heads, q_dim), (_, block_size, kv_heads, head_dim) = q.shape, k_cache.shape
+    for i, size in enumerate(k_cache.shape[1:]):
+        if size < 1:
+            raise ValueError(f"k_cache's {('block_size', 'kv_heads', 'head_dim')[i]} (dim {i + 1}) must be "
+                             f">= 1, got shape {list(k_cache.shape)}")
     refuse((batch < 1, "q must hold at least one sequence (batch >= 1), got batch 0"),
            (q_dim != head_dim, f"q's head_dim must equal the cache's head_dim {head_dim}, got {q_dim}"),
-           _grouped(q_heads, kv_heads, "the cache's "),
-           (q.dtype not in SUPPORTED_DTYPES, f"q must have a dtype in {DTYPE_NAMES}, got {q.dtype}"),
-           *((t.dtype not in (q.dtype, *FP8_DTYPES), f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-             for name, t in (("k_cache", k_cache), ("v_cache", v_cache))))
+           (q_heads % kv_heads, f"q_heads ({q_heads}) must be a multiple of the cache's kv_heads "
+                                f"({kv_heads})"))
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q must have a dtype in {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
     _check_tables(q, block_tables, seq_lens, k_cache.shape[0], block_size)
     return batch, q_heads, kv_heads, head_dim, block_size
 
 
 def _check_tables(q, tables, lens, num_blocks: int, bs: int) -> None:
-    for name, t, shape in (("block_tables", tables, "[batch, max_blocks]"), ("seq_lens", lens, "[batch]")):
-        _tensor(t, shape.count(",") + 1, dtype=torch.int32,
-                must=f"{name} must be an int32 tensor of shape {shape}")
+    _tensor(tables, 2, torch.int32, must="block_tables must be an int32 tensor of shape [batch, max_blocks]")
+    _tensor(lens, 1, torch.int32, must="seq_lens must be an int32 tensor of shape [batch]")
     n = lens.shape[0]
     refuse((tables.shape[0] != n, f"block_tables and seq_lens must describe the same sequences, got "
                                   f"{tables.shape[0]} rows and {n} lengths"),
@@ -79,20 +84,17 @@ def _check_tables(q, tables, lens, num_blocks: int, bs: int) -> None:
                      f"{j * bs}..{min(int(lens[b]), (j + 1) * bs) - 1} there")
 
 
-def _grouped(q_heads: int, kv_heads: int, whose: str = "") -> tuple[int, str]:
-    return q_heads % kv_heads, f"q_heads ({q_heads}) must be a multiple of {whose}kv_heads ({kv_heads})"
-
-
 def _got(x: object) -> object:
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _tensor(t, dim: int, rows: int = 0, dtype: torch.dtype | None = None, *, must: str) -> None:
-    """Refuse ``t`` with ``"{must}, got ..."`` unless it is a tensor of ``dim`` dimensions, at least ``rows``
-    long, of ``dtype`` (then the message names the dtype it got too)."""
-    ok = isinstance(t, torch.Tensor) and t.dim() == dim and len(t) >= rows and t.dtype == (dtype or t.dtype)
+def _tensor(t, dim: int, dtype: torch.dtype | None = None, rows: int = 0, *, must: str) -> None:
+    """Refuse ``t`` with ``"{must}, got ..."`` unless it is a tensor of ``dim`` dimensions, of ``dtype`` (the
+    message then names the dtype it got too), at least ``rows`` long."""
+    if isinstance(t, torch.Tensor) and t.dim() == dim and len(t) >= rows and dtype in (None, t.dtype):
+        return
     got = f"{t.dtype} {list(t.shape)}" if dtype and isinstance(t, torch.Tensor) else _got(t)
-    refuse((not ok, f"{must}, got {got}"))
+    raise ValueError(f"{must}, got {got}")
 
 
 def check_reference(cache, seq_id, q) -> None:
@@ -101,7 +103,8 @@ def check_reference(cache, seq_id, q) -> None:
     _, layers, _, kv_heads, dim = pool.shape
     refuse((not isinstance(q, torch.Tensor) or q.dim() != 4 or (*q.shape[:2], q.shape[3]) != (layers, 1, dim),
             f"q must have shape [num_layers={layers}, 1, q_heads, head_dim={dim}], got {_got(q)}"))
-    refuse(_grouped(q.shape[2], kv_heads, "the cache's "),
+    refuse((q.shape[2] % kv_heads,
+            f"q_heads ({q.shape[2]}) must be a multiple of the cache's kv_heads ({kv_heads})"),
            (q.dtype != pool.dtype or q.device != pool.device, f"q must have the cache's dtype {pool.dtype} "
             f"and device {pool.device}, got {q.dtype} on {q.device}"))
     refuse((cache.seq_lens[seq_id] < 1,  # KeyError for an unknown sequence
@@ -110,7 +113,7 @@ def check_reference(cache, seq_id, q) -> None:
 
 def check_prefill(q, k_cache, v_cache, table, seq_len) -> int:
     _tensor(q, 3, rows=1, must="q must be a tensor of shape [n >= 1, q_heads, head_dim]")
-    _tensor(table, 1, dtype=torch.int32, must="block_table must be a 1-D int32 tensor [max_blocks]")
+    _tensor(table, 1, torch.int32, must="block_table must be a 1-D int32 tensor [max_blocks]")
     seq_len, n = as_int("seq_len", seq_len, minimum=1), q.shape[0]
     refuse((seq_len < n, f"seq_len must be >= n = {n} (the queries are its last n positions), got {seq_len}"))
     lens = torch.tensor([seq_len], dtype=torch.int32, device=table.device)
@@ -121,10 +124,10 @@ def check_prefill(q, k_cache, v_cache, table, seq_len) -> int:
 def check_contiguous(q, k, v) -> None:
     refuse(*((not isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
              for name, t in (("q", q), ("k", k), ("v", v))))
-    refuse((q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[::3] != k.shape[::3],
-            "q must be [batch, q_heads, q_len, head_dim] and k, v both [batch, kv_heads, kv_len, head_dim] "
-            f"(one batch, one head_dim); got {_got(q)}, {_got(k)}, {_got(v)}"))
-    refuse(_grouped(q.shape[1], k.shape[1]))
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[::3] != k.shape[::3]:
+        raise ValueError(f"q must be [batch, q_heads, q_len, head_dim] and k, v both [batch, kv_heads, "
+                         f"kv_len, head_dim] (one batch, one head_dim); got {_got(q)}, {_got(k)}, {_got(v)}")
+    refuse((q.shape[1] % k.shape[1], f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})"))
 
 
 def check_window(q_len, kv_len, window) -> tuple[int, int, int]:
@@ -137,19 +140,19 @@ def check_window(q_len, kv_len, window) -> tuple[int, int, int]:
 
 def check_triton(q, k_cache, v_cache, num_splits, compiled: bool) -> int | None:
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
-    refuse((head_dim > MAX_HEAD_DIM,
-            f"q's head_dim must be at most {MAX_HEAD_DIM} for the Triton kernel, got {head_dim}"),
-           (block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1),
-            f"k_cache's block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size}"),
-           (compiled and q.device.type != "cuda",
-            f"q must be a CUDA tensor for the compiled kernel, got device {q.device}"))
-    # (asked only of a CUDA device, so after the check above)
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q's head_dim must be at most {MAX_HEAD_DIM} for the Triton kernel, got {head_dim}")
+    if block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"k_cache's block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, "
+                         f"got {block_size}")
+    if compiled and q.device.type != "cuda":
+        raise ValueError(f"q must be a CUDA tensor for the compiled kernel, got device {q.device}")
     refuse((compiled and k_cache.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(q.device)
             < (8, 9), "a float8_e4m3fn cache needs compute capability 8.9+ for the Triton kernel (Triton has "
-                      "no e4m3 below it); use float8_e5m2"),
-           (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)),
-            "q, k_cache and v_cache must not require grad: the Triton kernel has no backward pass (call it "
-            "under torch.no_grad(), or pass detached tensors)"))
+                      "no e4m3 below it); use float8_e5m2"))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise ValueError("q, k_cache and v_cache must not require grad: the Triton kernel has no backward "
+                         "pass (call it under torch.no_grad(), or pass detached tensors)")
     return None if num_splits is None else as_int("num_splits", num_splits, minimum=1, maximum=MAX_SPLITS)
 
 
@@ -161,8 +164,8 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
     qsl = query_start_loc
     _tensor(q, 3, rows=1, must="q must be a tensor of shape [T >= 1, q_heads, head_dim] (the new tokens of "
                                "every sequence)")
-    _tensor(qsl, 1, rows=2, dtype=torch.int32,
-            must="query_start_loc must be an int32 tensor of shape [batch + 1] (batch >= 1)")
+    _tensor(qsl, 1, torch.int32, rows=2, must="query_start_loc must be an int32 tensor of shape [batch + 1] "
+                                             "(batch >= 1)")
     refuse((qsl.device != q.device, f"query_start_loc must be on q's device {q.device}, got {qsl.device}"),
            (isinstance(seq_lens, torch.Tensor) and list(seq_lens.shape) != [len(qsl) - 1],
             f"seq_lens must hold one length per sequence of query_start_loc, [batch={len(qsl) - 1}], got "
