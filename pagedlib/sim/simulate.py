@@ -196,7 +196,7 @@ def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, bl
     pool at every step (steps x slots of memory: small runs only); ``progress`` shows a tqdm bar."""
     requests = list(requests)
     sched = new_scheduler(requests, policy, kv_budget_blocks, block_size, **options)
-    return _result(sched, *_run(sched, requests, record_occupancy, progress))
+    return serve(sched, requests, record_occupancy, progress)
 
 
 def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
@@ -213,8 +213,9 @@ def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
     return owner, filled
 
 
-def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: bool) -> tuple:
-    """Serve ``requests`` by arrival: a row per step, finished requests' results, pool pictures."""
+def serve(sched: Scheduler, requests: list[Request], occupancy: bool = False, progress: bool = False
+          ) -> SimResult:
+    """Serve ``requests`` by arrival with a scheduler from ``new_scheduler`` until every one has finished."""
     from tqdm.auto import tqdm
     rows, first, preempted, done, pictures, sampled = [], {}, Counter(), [], [], defaultdict(list)
     arrivals, step = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id))), 0
@@ -243,7 +244,7 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
                 sched.finish(r)
                 bar.update()
             step += 1
-    return rows, done, pictures
+    return _result(sched, rows, done, pictures)
 
 
 def _result(sched: Scheduler, rows: list[dict], done: list[RequestResult], pictures: list) -> SimResult:
