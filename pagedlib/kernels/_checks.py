@@ -60,10 +60,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int
 
 
 def _check_tables(q, tables, lens, num_blocks: int, bs: int) -> None:
-    for name, t, shape in (("block_tables", tables, "[batch, max_blocks]"), ("seq_lens", lens, "[batch]")):
-        if t.dtype != torch.int32 or t.dim() != shape.count(",") + 1:
-            raise ValueError(f"{name} must be an int32 tensor of shape {shape}, "
-                             f"got {t.dtype} {list(t.shape)}")
+    _tensor(tables, 2, torch.int32, must="block_tables must be an int32 tensor of shape [batch, max_blocks]")
+    _tensor(lens, 1, torch.int32, must="seq_lens must be an int32 tensor of shape [batch]")
     n = lens.shape[0]
     refuse((tables.shape[0] != n, f"block_tables and seq_lens must describe the same sequences, got "
                                   f"{tables.shape[0]} rows and {n} lengths"),
@@ -90,28 +88,32 @@ def _got(x: object) -> object:
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
+def _tensor(t, dim: int, dtype: torch.dtype | None = None, rows: int = 0, *, must: str) -> None:
+    """Refuse ``t`` with ``"{must}, got ..."`` unless it is a tensor of ``dim`` dimensions, of ``dtype`` (the
+    message then names the dtype it got too), at least ``rows`` long."""
+    if isinstance(t, torch.Tensor) and t.dim() == dim and len(t) >= rows and dtype in (None, t.dtype):
+        return
+    got = f"{t.dtype} {list(t.shape)}" if dtype and isinstance(t, torch.Tensor) else _got(t)
+    raise ValueError(f"{must}, got {got}")
+
+
 def check_reference(cache, seq_id, q) -> None:
     """A sequence of ``cache`` with tokens, ``q`` ``[num_layers, 1, q_heads, head_dim]`` in its dtype."""
     pool = cache.k                                      # [num_blocks, num_layers, block_size, kv_heads, D]
     _, layers, _, kv_heads, dim = pool.shape
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or (*q.shape[:2], q.shape[3]) != (layers, 1, dim):
-        raise ValueError(f"q must have shape [num_layers={layers}, 1, q_heads, head_dim={dim}], "
-                         f"got {_got(q)}")
-    if q.shape[2] % kv_heads:
-        raise ValueError(f"q_heads ({q.shape[2]}) must be a multiple of the cache's kv_heads ({kv_heads})")
-    if q.dtype != pool.dtype or q.device != pool.device:
-        raise ValueError(f"q must have the cache's dtype {pool.dtype} and device {pool.device}, "
-                         f"got {q.dtype} on {q.device}")
-    if cache.seq_lens[seq_id] < 1:                      # KeyError for an unknown sequence
-        raise ValueError(f"sequence {seq_id!r} is empty: attention needs at least one token")
+    refuse((not isinstance(q, torch.Tensor) or q.dim() != 4 or (*q.shape[:2], q.shape[3]) != (layers, 1, dim),
+            f"q must have shape [num_layers={layers}, 1, q_heads, head_dim={dim}], got {_got(q)}"))
+    refuse((q.shape[2] % kv_heads,
+            f"q_heads ({q.shape[2]}) must be a multiple of the cache's kv_heads ({kv_heads})"),
+           (q.dtype != pool.dtype or q.device != pool.device, f"q must have the cache's dtype {pool.dtype} "
+            f"and device {pool.device}, got {q.dtype} on {q.device}"))
+    refuse((cache.seq_lens[seq_id] < 1,  # KeyError for an unknown sequence
+            f"sequence {seq_id!r} is empty: attention needs at least one token"))
 
 
 def check_prefill(q, k_cache, v_cache, table, seq_len) -> int:
-    got = f"{table.dtype} {list(table.shape)}" if isinstance(table, torch.Tensor) else _got(table)
-    refuse((not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < 1,
-            f"q must be a tensor of shape [n >= 1, q_heads, head_dim], got {_got(q)}"),
-           (not isinstance(table, torch.Tensor) or table.dim() != 1 or table.dtype != torch.int32,
-            f"block_table must be a 1-D int32 tensor [max_blocks], got {got}"))
+    _tensor(q, 3, rows=1, must="q must be a tensor of shape [n >= 1, q_heads, head_dim]")
+    _tensor(table, 1, torch.int32, must="block_table must be a 1-D int32 tensor [max_blocks]")
     seq_len, n = as_int("seq_len", seq_len, minimum=1), q.shape[0]
     refuse((seq_len < n, f"seq_len must be >= n = {n} (the queries are its last n positions), got {seq_len}"))
     lens = torch.tensor([seq_len], dtype=torch.int32, device=table.device)
@@ -131,9 +133,8 @@ def check_contiguous(q, k, v) -> None:
 def check_window(q_len, kv_len, window) -> tuple[int, int, int]:
     q_len, kv_len, window = (as_int(n, x, minimum=1) for n, x in zip(("q_len", "kv_len", "window"),
                                                                      (q_len, kv_len, window)))
-    if q_len > kv_len:
-        raise ValueError(f"q_len must be <= kv_len (the queries are the last q_len of kv_len positions), "
-                         f"got q_len={q_len}, kv_len={kv_len}")
+    refuse((q_len > kv_len, "q_len must be <= kv_len (the queries are the last q_len of kv_len positions), "
+                            f"got q_len={q_len}, kv_len={kv_len}"))
     return q_len, kv_len, window
 
 
@@ -161,12 +162,10 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
     lists: ``query_start_loc`` starts at 0, rises by >= 1 per sequence to ``T``, and no sequence has more
     new tokens than ``seq_lens`` stores."""
     qsl = query_start_loc
-    got = f"{qsl.dtype} {list(qsl.shape)}" if isinstance(qsl, torch.Tensor) else _got(qsl)
-    refuse((not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < 1,
-            f"q must be a tensor of shape [T >= 1, q_heads, head_dim] (the new tokens of every sequence), "
-            f"got {_got(q)}"),
-           (not isinstance(qsl, torch.Tensor) or qsl.dtype != torch.int32 or qsl.dim() != 1 or len(qsl) < 2,
-            f"query_start_loc must be an int32 tensor of shape [batch + 1] (batch >= 1), got {got}"))
+    _tensor(q, 3, rows=1, must="q must be a tensor of shape [T >= 1, q_heads, head_dim] (the new tokens of "
+                               "every sequence)")
+    _tensor(qsl, 1, torch.int32, rows=2, must="query_start_loc must be an int32 tensor of shape [batch + 1] "
+                                             "(batch >= 1)")
     refuse((qsl.device != q.device, f"query_start_loc must be on q's device {q.device}, got {qsl.device}"),
            (isinstance(seq_lens, torch.Tensor) and list(seq_lens.shape) != [len(qsl) - 1],
             f"seq_lens must hold one length per sequence of query_start_loc, [batch={len(qsl) - 1}], got "
@@ -184,6 +183,7 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
             raise ValueError(f"sequence {b} has {m} new tokens in q but seq_lens[{b}] = {n} (its cached plus "
                              "new tokens) is smaller")
     return lens, starts
+
 
 def check_scales(k_cache: torch.Tensor, k_scale: object, v_scale: object) -> tuple:
     """The scales as ``PagedKVCache`` holds them (``core/_checks.scales``); 1.0 for a cache not in fp8."""

@@ -102,8 +102,7 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``paged_attention`` for a chunk of ``c`` sequences (checked inputs; ``lens`` is ``seq_lens`` as a
     list; ``window``: see ``sliding_window_attention``). ``q`` ``[c, q_heads, head_dim]`` -> the same."""
-    c, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    (c, q_heads, head_dim), (_, block_size, kv_heads, _) = q.shape, k_cache.shape
     n = max(lens)                                       # every sequence is padded to the longest
     n_blocks = ceil_div(n, block_size)
 
@@ -132,8 +131,7 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Blocks ``ids`` (int64 ``[c, n_blocks]``) of ``cache``, first ``n_tokens`` positions, in one
-    ``index_select``: ``[c, n_tokens, kv_heads, head_dim]``."""
+    """Blocks ``ids`` (int64 ``[c, n_blocks]``) of ``cache``, one ``index_select``: ``[c, n_tokens, ...]``."""
     c, n_blocks = ids.shape
     blocks = cache.index_select(0, ids.reshape(-1))               # [c * n_blocks, block_size, kv_heads, D]
     return blocks.view(c, n_blocks * cache.shape[1], *cache.shape[2:])[:, :n_tokens]
@@ -169,9 +167,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``[n, q_heads, head_dim]`` -> the same shape. ``block_table``: int32 ``[max_blocks]`` (padding allowed);
     ``seq_len``: tokens stored, the queries' own included (``n == seq_len``: a prompt's prefill; ``n <
     seq_len``: a chunk after earlier tokens, query ``i`` at position ``seq_len - n + i``)."""
-    seq_len = _checks.check_prefill(q, k_cache, v_cache, block_table, seq_len)
-    scale, n, (k_scale, v_scale) = softmax_scale(q.shape[2], scale), q.shape[0], check_scales(
-        k_cache, k_scale, v_scale)
+    seq_len, n = _checks.check_prefill(q, k_cache, v_cache, block_table, seq_len), q.shape[0]
+    scale, (k_scale, v_scale) = softmax_scale(q.shape[2], scale), check_scales(k_cache, k_scale, v_scale)
     ids = block_table[None, : ceil_div(seq_len, k_cache.shape[1])].long()     # [1, n_blocks]
     # 4-D [1, heads, tokens, D] views: SDPA's fused CPU kernel takes 4-D inputs only
     k = dequantize(_gather(k_cache, ids, seq_len), k_scale, q.dtype).transpose(1, 2)  # [1, kv_heads, len, D]

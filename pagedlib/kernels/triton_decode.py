@@ -176,19 +176,17 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # host): a split that starts past its sequence's end finds no tokens and writes an empty state
     per_split = triton.cdiv(block_tables.shape[1] * block_size, num_splits * cfg["TILE"]) * cfg["TILE"]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    m = lsum = dst = out  # without split-K the kernel writes `out` and ignores m, l
+    dst, m, lsum = out[:, :, None], out, out  # without split-K the kernel writes `out` and ignores m, l
     scales = [s if isinstance(s, torch.Tensor) else torch.full((kv_heads,), s, device=q.device)
               for s in (k_scale, v_scale)]  # float32 [kv_heads]: a fill, not a copy from the host
-    dst_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
     if num_splits > 1:
         dst = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         m, lsum = torch.empty(2, batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
-        dst_strides = dst.stride()
     with interpreter_lock():
         _paged_decode_kernel[(batch, kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens.contiguous(), *scales, dst, m, lsum,
             softmax_scale(head_dim, scale) * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            *block_tables.stride(), *dst_strides, per_split, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+            *block_tables.stride(), *dst.stride(), per_split, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
             DOT_FP32=interpreting() if dot_fp32 is None else dot_fp32,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=k_cache.dtype != q.dtype, **cfg,
             num_warps=4)
@@ -204,14 +202,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, k_scale: float | torch.Tensor = 1.0,
                            v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``paged_attention`` with K/V read straight from the paged pool by the fused kernel, every argument
-    checked first; ``num_splits``: partitions of the context (split-K; ``None``: ``choose_num_splits``);
-    ``k_scale``, ``v_scale``: an fp8 cache's scales, as for ``paged_attention``.
-    No backward pass: inputs that require grad are refused while autograd records."""
+    checked first (no backward pass: inputs that require grad are refused while autograd records);
+    ``num_splits``: partitions of the context (split-K; ``None``: ``choose_num_splits``)."""
     check_mode()
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
-    scale, num_splits = softmax_scale(q.shape[-1], scale), check_triton(q, k_cache, v_cache, num_splits,
-                                                                        compiled=not interpreting())
+    scale = softmax_scale(q.shape[-1], scale)
+    num_splits = check_triton(q, k_cache, v_cache, num_splits, compiled=not interpreting())
     if num_splits is None:
         max_context = block_tables.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context, sm_count(q.device))

@@ -1,11 +1,9 @@
 """The unified paged attention kernel in Triton (notebook 09): ``paged_attention_varlen_triton`` takes
 ``paged_attention_varlen``'s arguments and returns its result, decodes and prefill chunks in one launch.
 
-The flat batch of ``T`` query tokens is cut into query blocks of ``BLOCK_Q`` consecutive tokens of one
-sequence; one program per (query block, KV head) finds its sequence in ``query_start_loc`` by binary search
-(``_find_sequence``), loads its tokens' queries for the whole GQA group as one tile of ``BLOCK_Q * GROUP_P``
-rows, and walks the block table a tile of keys at a time (``_varlen_tiles``, through the decode kernel's
-``_kv_tile``) with an online softmax in fp32, each row masked at its own position (causal)."""
+One program per (query block of ``BLOCK_Q`` tokens of one sequence, KV head) finds its sequence by binary
+search (``_find_sequence``) and walks the block table as the decode kernel does (``_varlen_tiles``, through
+its ``_kv_tile``), each of its ``BLOCK_Q * GROUP_P`` query rows masked at its own position (causal)."""
 
 from __future__ import annotations
 
@@ -158,8 +156,7 @@ def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0
                                   ) -> torch.Tensor:
     """``paged_attention_varlen`` with K/V read straight from the paged pool by one fused kernel, every
-    argument checked first; ``k_scale``, ``v_scale``: an fp8 cache's scales, as for the torch path.
-    No backward pass: inputs that require grad are refused while autograd records."""
+    argument checked first (no backward pass: inputs that require grad are refused while autograd records)."""
     check_mode()
     check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.scheduler import Request
 from pagedlib.sim import workloads as wl
-from pagedlib.sim.simulate import _result, _run, new_scheduler
+from pagedlib.sim.simulate import new_scheduler, serve
 
 DESIGNS = ("hash", "radix")
 
@@ -29,7 +29,7 @@ def run_design(requests: Sequence[Request], design: str, budget_blocks: int, blo
     blocks of ``block_size`` tokens. Returns the row of the side-by-side table and the cache afterwards."""
     sched = new_scheduler(requests, "paged", budget_blocks, block_size, max_num_seqs=max_num_seqs,
                           enable_prefix_caching=True, prefix_cache=design)
-    result = _result(sched, *_run(sched, list(requests), False, False))
+    result = serve(sched, list(requests))
     stats = sched.cache.prefix_cache_stats()
     held = budget_blocks - int(result.series["free"].min()) // block_size  # blocks running requests held
     return {"design": design, "block_size": block_size, "hit_rate": round(stats["hit_rate"], 3),

@@ -22,6 +22,8 @@ from pagedlib.sim.workloads import fake_token_ids
 
 #: Where a slot goes (the vLLM paper's Figure 2 categories, defined in notebook 07 and ``slot_breakdown``).
 CATEGORIES = ("token", "reservation", "internal", "external", "other")
+#: ``SimResult.series``'s columns, one entry per step (``tokens``: new ones; ``context``: K/V tokens read).
+SERIES = ("step", "running", "waiting", "preempted", *CATEGORIES, "free", "tokens", "context")
 
 
 class RequestResult(NamedTuple):
@@ -74,8 +76,7 @@ class SimResult:
     mean_latency: float                   # steps from arrival to the last token, averaged
     leaked_blocks: int
     prefix_cache_hit_rate: float | None   # tokens found / tokens looked up at admission; None: caching off
-    series: dict[str, np.ndarray]         # per step: step, running, waiting, preempted, CATEGORIES, free,
-                                          # tokens (new, this step), context (K/V tokens the step reads)
+    series: dict[str, np.ndarray]         # SERIES -> one entry per step
     requests: list[RequestResult]
     occupancy: Occupancy | None = None
     prefill_tokens: int = 0               # K/V computed by prefills (recomputes included, cache hits not)
@@ -176,9 +177,9 @@ def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: in
     extra = 0 if policy == "paged" else max_num_seqs  # a slab's tokens can straddle one block more
     cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching,
                          prefix_cache=prefix_cache)
-    budget_keys = ("max_num_batched_tokens", max_num_batched_tokens), \
-        ("long_prefill_token_threshold", long_prefill_token_threshold)
-    chunked = {} if max_num_batched_tokens is None else dict(budget_keys)
+    chunked = {} if max_num_batched_tokens is None else {
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "long_prefill_token_threshold": long_prefill_token_threshold}
     sched = (ChunkedScheduler if chunked else Scheduler)(
         cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark, max_model_len=max_model_len,
         kv_budget_blocks=budget, sliding_window=sliding_window,
@@ -195,7 +196,7 @@ def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, bl
     pool at every step (steps x slots of memory: small runs only); ``progress`` shows a tqdm bar."""
     requests = list(requests)
     sched = new_scheduler(requests, policy, kv_budget_blocks, block_size, **options)
-    return _result(sched, *_run(sched, requests, record_occupancy, progress))
+    return serve(sched, requests, record_occupancy, progress)
 
 
 def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
@@ -212,12 +213,11 @@ def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
     return owner, filled
 
 
-def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: bool) -> tuple:
-    """Serve ``requests`` by arrival: the per-step series, finished requests' results, pool pictures."""
+def serve(sched: Scheduler, requests: list[Request], occupancy: bool = False, progress: bool = False
+          ) -> SimResult:
+    """Serve ``requests`` by arrival with a scheduler from ``new_scheduler`` until every one has finished."""
     from tqdm.auto import tqdm
-    series = {k: [] for k in ("step", "running", "waiting", "preempted", *CATEGORIES, "free", "tokens",
-                              "context")}
-    first, preempted, done, pictures, sampled = {}, Counter(), [], [], defaultdict(list)
+    rows, first, preempted, done, pictures, sampled = [], {}, Counter(), [], [], defaultdict(list)
     arrivals, step = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id))), 0
     with tqdm(total=len(requests), disable=not progress, desc=sched.policy, unit="req") as bar:
         while arrivals or sched.has_unfinished:
@@ -232,11 +232,9 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
             for r in plan.scheduled:
                 sampled[r.req_id].append(step)
             context = sum(sched.cache.seq_lens[r.req_id] for r in plan.decode + [r for r, _ in plan.prefill])
-            now = {"step": step, "running": len(sched.running), "waiting": len(sched.waiting), "preempted":
-                   len(plan.preempted), "free": free_slots(sched), **slot_breakdown(sched, plan.blocked),
-                   "tokens": plan.num_tokens, "context": context}
-            for k, column in series.items():
-                column.append(now[k])
+            rows.append({"step": step, "running": len(sched.running), "waiting": len(sched.waiting),
+                         "preempted": len(plan.preempted), **slot_breakdown(sched, plan.blocked),
+                         "free": free_slots(sched), "tokens": plan.num_tokens, "context": context})
             if occupancy:
                 pictures.append((step, *_pool_picture(sched)))
             for r in [r for r in plan.scheduled if sched.generated[r.req_id] == r.output_len]:
@@ -246,11 +244,11 @@ def _run(sched: Scheduler, requests: list[Request], occupancy: bool, progress: b
                 sched.finish(r)
                 bar.update()
             step += 1
-    return series, done, pictures
+    return _result(sched, rows, done, pictures)
 
 
-def _result(sched: Scheduler, series: dict, done: list[RequestResult], pictures: list) -> SimResult:
-    series = {k: np.asarray(v, dtype=np.int64) for k, v in series.items()}
+def _result(sched: Scheduler, rows: list[dict], done: list[RequestResult], pictures: list) -> SimResult:
+    series = {k: np.array([row[k] for row in rows], dtype=np.int64) for k in SERIES}
     totals = {k: int(series[k].sum()) for k in CATEGORIES}
     breakdown = {k: v / max(1, sum(totals.values())) for k, v in totals.items()}
     slabs = ceil_div(sched.budget.used_slots, sched.block_size) if isinstance(sched.budget, SlabBudget) else 0

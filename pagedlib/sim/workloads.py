@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +34,15 @@ ALPACA = LengthModel(prompt_mean=19.31, prompt_sigma=0.6, output_mean=58.45, out
 def _lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, high: int) -> np.ndarray:
     mu = math.log(mean) - sigma**2 / 2  # E[exp(N(mu, sigma^2))] = mean
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, high).astype(np.int64)
+
+
+def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(0, vocab_size, n))
+
+
+def _with_prompt(r: Request, prompt: tuple[int, ...], **changes: int) -> Request:
+    """``r`` (id, arrival, output length unless ``changes`` say otherwise) with ``prompt``'s token ids."""
+    return replace(r, prompt_len=len(prompt), prompt_tokens=prompt, **changes)
 
 
 def synthetic_workload(num_requests: int, model: LengthModel, *, seed: int = 0, rate: float = 1.0,
@@ -72,12 +81,11 @@ def shared_prompt_like(num_requests: int, seed: int = 0, *, system_len: int = 34
                                              OUTPUT_TOKEN_BASE)
     base = alpaca_like(num_requests, seed, rate=rate, max_model_len=2048 - system_len)
     rng = np.random.default_rng([seed, 1])
-    systems = [tuple(int(t) for t in rng.integers(0, vocab_size, system_len)) for _ in range(k)]
+    systems = [_ids(rng, system_len, vocab_size) for _ in range(k)]
     out = []
     for r in base:
-        user = tuple(int(t) for t in rng.integers(0, vocab_size, r.prompt_len))
-        tokens = systems[int(rng.integers(k))] + user
-        out.append(Request(r.req_id, r.arrival, len(tokens), r.output_len, tokens))
+        user = _ids(rng, r.prompt_len, vocab_size)  # drawn before the choice of system prompt
+        out.append(_with_prompt(r, systems[int(rng.integers(k))] + user))
     return out
 
 
@@ -94,14 +102,8 @@ def fake_token_ids(request: Request, stop: int, start: int = 0) -> list[int]:
     return list(request.prompt_tokens[start:stop]) + [base + i for i in range(max(start, p) - p, stop - p)]
 
 
-
-
 # Workloads of notebook 11, prefix caching's cases: each request carries its token ids (random ids below
 # ``vocab_size``; a turn that resends a reply resends the made-up output ids ``fake_token_ids`` gives it).
-
-
-def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> tuple[int, ...]:
-    return tuple(int(t) for t in rng.integers(0, vocab_size, n))
 
 
 def multi_turn_like(num_conversations: int, turns: int = 4, seed: int = 0, *, user_len: int = 40,
@@ -131,11 +133,8 @@ def few_shot_like(num_requests: int, seed: int = 0, *, num_examples: int = 6, ex
         num_examples=num_examples, example_len=example_len, question_len=question_len, vocab_size=vocab_size)
     base, rng = alpaca_like(num_requests, seed, rate=rate), np.random.default_rng([seed, 12])
     examples = [_ids(rng, example_len, vocab_size) for _ in range(k)]
-    out = []
-    for r in base:
-        prompt = sum(examples[:int(rng.integers(1, k + 1))], ()) + _ids(rng, question_len, vocab_size)
-        out.append(Request(r.req_id, r.arrival, len(prompt), r.output_len, prompt))
-    return out
+    return [_with_prompt(r, sum(examples[:rng.integers(1, k + 1)], ()) + _ids(rng, question_len, vocab_size))
+            for r in base]
 
 
 def branching_like(num_trees: int, branches: int = 4, seed: int = 0, *, stem_len: int = 200,
@@ -163,8 +162,5 @@ def unique_documents_like(num_requests: int, seed: int = 0, *, doc_len: int = 10
     doc_len, output_len, vocab_size = check_sizes(doc_len=doc_len, output_len=output_len,
                                                   vocab_size=vocab_size)
     base, rng = alpaca_like(num_requests, seed, rate=rate), np.random.default_rng([seed, 14])
-    out = []
-    for r in base:
-        prompt = _ids(rng, int(rng.integers(doc_len // 2, doc_len * 3 // 2 + 1)), vocab_size)
-        out.append(Request(r.req_id, r.arrival, len(prompt), output_len, prompt))
-    return out
+    return [_with_prompt(r, _ids(rng, int(rng.integers(doc_len // 2, doc_len * 3 // 2 + 1)), vocab_size),
+                         output_len=output_len) for r in base]
