@@ -23,11 +23,13 @@ MODULES = {
 ENGINE_PATH = ["pagedlib.engine"]
 KERNELS = ["pagedlib.kernels.attention", "pagedlib.kernels.triton_decode", "pagedlib.kernels.triton_mode"]
 VARLEN = ["pagedlib.kernels.varlen", "pagedlib.kernels.triton_varlen"]  # notebook 09's unified paths
-# Line budgets. Issue 17 asked 4,200 lines for the package of chapters 01-08 and the split reached 4,625, so
-# their budget is a ratchet at 4,650 (engine path 1,600, kernels 650): lower a number whenever the code
-# shrinks, never raise it. Each later chapter adds the lines it was allowed, named here, so that growth is
-# a decision and never drift.
-BASE = {"package": 4650, "engine path": 1600, "kernels": 650, "varlen kernels": 0}
+# Line budgets. Issue 17 asked 4,200 lines for the package of chapters 01-08; the split reached 4,625 and a
+# second trim (every figure, view and message kept identical) 4,541. The rest is the teaching tools in
+# teach/ and sim/ (widgets, figures, the sizing calculator, the tiny model's training, PTX tools), kept
+# whole: the README's layout section says so. Their budget is a ratchet at 4,550 (engine path 1,600,
+# kernels 650): lower a number whenever the code shrinks, never raise it. Each later chapter adds the lines
+# it was allowed, named here, so that growth is a decision and never drift.
+BASE = {"package": 4550, "engine path": 1600, "kernels": 650, "varlen kernels": 0}
 CHAPTERS = {
     "09 chunked prefill, unified kernel": {"package": 520, "engine path": 110, "varlen kernels": 320},
     "10 fp8 KV cache": {"package": 200, "engine path": 60},
