@@ -17,7 +17,12 @@ import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first im
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize, kv_scale, quantize
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
-from pagedlib.kernels.varlen import attend_varlen, paged_attention_varlen, paged_attention_varlen_oracle
+from pagedlib.kernels.varlen import (
+    attend_varlen,
+    paged_attention_varlen,
+    paged_attention_varlen_oracle,
+    plan_varlen,
+)
 
 # after pagedlib, which picks Triton's mode before triton's first import
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
@@ -345,8 +350,9 @@ def test_fp8_steps_cut_into_pieces_and_decode_steps_match_the_other_paths(monkey
     whole = paged_attention_varlen(*args, **scales)
     monkeypatch.setattr(varlen, "CHUNK_BYTES", 0)
     lens, starts = args[4].tolist(), args[5].tolist()
-    pieces = attend_varlen(*args[:5], lens, starts, args[0].shape[2] ** -0.5, scales["k_scale"],
-                           scales["v_scale"])
+    plan = plan_varlen(*args[3:5], lens, starts, args[1].shape[1], 2 * 2 * 16 * 2)
+    assert len(plan) == len(lens)
+    pieces = attend_varlen(*args[:3], plan, args[0].shape[2] ** -0.5, scales["k_scale"], scales["v_scale"])
     torch.testing.assert_close(pieces, whole, **TOLERANCES[torch.float16])
     decode = (args[0][[0, 13]], *args[1:3], args[3][[0, 3]], args[4][[0, 3]])  # the two decode tokens
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
