@@ -66,7 +66,7 @@ class Step:
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
     kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch, with
-    pieces: list[Piece] | None        # its plan, the same for every layer (plan_varlen)
+    plan: list[Piece] | None          # its plan, the same for every layer (plan_varlen)
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -76,7 +76,7 @@ class Step:
         if self.kernel is not None:
             return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
                                k_scale=k_scale, v_scale=v_scale)
-        return attend_varlen(q, k_pool, v_pool, self.pieces, q.shape[-1] ** -0.5, k_scale, v_scale)
+        return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
 class RMSNorm(nn.Module):
@@ -265,13 +265,12 @@ class PagedLlama(nn.Module):
         tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
         blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
         lens = [start + len(c) for start, c in zip(starts, chunks)]
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)                   # [B]
         s = self.shape
-        pieces = None if kernel else plan_varlen(tables, seq_lens, lens, loc, bs,
-                                                 2 * s.num_kv_heads * s.head_dim * self.dtype.itemsize)
+        plan = None if kernel else plan_varlen(tables, lens, loc, bs,
+                                               2 * s.num_kv_heads * s.head_dim * self.dtype.itemsize)
         return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
-                    positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables, seq_lens,
-                    kernel, pieces)
+                    positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
+                    torch.tensor(lens, dtype=torch.int32, device=dev), kernel, plan)
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""

@@ -350,8 +350,8 @@ def test_fp8_steps_cut_into_pieces_and_decode_steps_match_the_other_paths(monkey
     whole = paged_attention_varlen(*args, **scales)
     monkeypatch.setattr(varlen, "CHUNK_BYTES", 0)
     lens, starts = args[4].tolist(), args[5].tolist()
-    plan = plan_varlen(*args[3:5], lens, starts, args[1].shape[1], 2 * 2 * 16 * 2)
-    assert len(plan) == len(lens)
+    plan = plan_varlen(args[3], lens, starts, args[1].shape[1], 2 * 2 * 16 * 2)
+    assert [p.seqs for p in plan] == [1] * len(lens)                   # one piece per sequence
     pieces = attend_varlen(*args[:3], plan, args[0].shape[2] ** -0.5, scales["k_scale"], scales["v_scale"])
     torch.testing.assert_close(pieces, whole, **TOLERANCES[torch.float16])
     decode = (args[0][[0, 13]], *args[1:3], args[3][[0, 3]], args[4][[0, 3]])  # the two decode tokens

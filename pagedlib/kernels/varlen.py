@@ -6,6 +6,7 @@ Triton kernel ``paged_attention_varlen_triton`` takes the same arguments."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -40,103 +41,95 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     lens, starts = check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
-    pieces = plan_varlen(block_tables, seq_lens, lens, starts, k_cache.shape[1],
-                         2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size())
-    return attend_varlen(q, k_cache, v_cache, pieces, softmax_scale(q.shape[2], scale), k_scale, v_scale)
+    plan = plan_varlen(block_tables, lens, starts, k_cache.shape[1],
+                       2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size())
+    return attend_varlen(q, k_cache, v_cache, plan, softmax_scale(q.shape[2], scale), k_scale, v_scale)
 
 
 class Piece(NamedTuple):
-    """Sequences of a step that one SDPA call attends, each padded to the longest: what every layer of the
-    step reuses (``plan_varlen``)."""
+    """Sequences of a step that one SDPA call attends, padded to the longest, from one copy of their blocks
+    (``plan_varlen`` plans a step once; every layer reuses the plan)."""
 
-    rows: slice | torch.Tensor      # the piece's rows of q (a slice when they are consecutive)
-    blocks: torch.Tensor            # int64 [c * n_blocks]: the blocks its padded copy reads (padding: 0)
-    unused: torch.Tensor            # int64 [u]: the copy's slots at or past a sequence's length (zeroed)
+    rows: slice | torch.Tensor      # its rows of q (a slice when they are consecutive)
+    blocks: torch.Tensor            # int64 [c * n_blocks]: the blocks to copy, sequence after sequence
+    unused: torch.Tensor            # int64: slots of the copy at or past their sequence's length (zeroed)
+    seqs: int                       # c
     n: int                          # keys per sequence: the longest length
     scatter: tuple[torch.Tensor, torch.Tensor] | None  # each row's (sequence, index) in the padded queries
     mask: torch.Tensor | None       # bool [c, 1, m, n]: which keys each query sees; None: SDPA's causal case
 
 
-def plan_varlen(block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], starts: list[int],
-                block_size: int, bytes_per_token: int) -> list[Piece]:
-    """Cut a step into pieces, once per step (checked inputs; ``lens``, ``starts``: ``seq_lens`` and
-    ``query_start_loc`` as lists; ``bytes_per_token``: of the K+V copy). Two groups: the decodes (one new
-    token), and the prompts and chunks (padding a decode to a chunk's length would multiply its work); each
-    sorted by length and cut where a piece's padded copy would pass ``PAD_LIMIT`` times its sequences' own
-    blocks or ``CHUNK_BYTES``: on a CPU the padding costs more than a call."""
+def plan_varlen(block_tables: torch.Tensor, lens: list[int], starts: list[int], block_size: int,
+                bytes_per_token: int) -> list[Piece]:
+    """Cut a step into pieces (checked inputs; ``lens``, ``starts``: ``seq_lens`` and ``query_start_loc``
+    as lists; ``bytes_per_token``: of the K+V copy). Two groups: the decodes (one new token), and the
+    prompts and chunks (padding a decode to a chunk's length would multiply its work); each sorted by
+    length and cut where a piece's copy would pass ``PAD_LIMIT`` times its sequences' own blocks (on a CPU
+    padding costs more than another call) or ``CHUNK_BYTES``."""
     new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
-    budget, pieces = max(CHUNK_BYTES, default_chunk_bytes(block_tables.device)), []
+    dev, tables, pieces = block_tables.device, block_tables.tolist(), []
+    budget = max(CHUNK_BYTES, default_chunk_bytes(dev))
     for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
         group.sort(key=lambda b: lens[b])
-        for cut in cut_sorted([lens[b] for b in group], block_size, bytes_per_token, budget):
-            pieces.append(plan_piece(block_tables, seq_lens, lens, new, starts, block_size, group[cut]))
+        start, own = 0, 0                                  # the open piece's first sequence and its blocks
+        for i, b in enumerate(group):
+            blocks = ceil_div(lens[b], block_size)
+            copy = (i + 1 - start) * blocks * block_size   # tokens of its copy with b (the longest) in it
+            if i > start and (copy > PAD_LIMIT * (own + blocks) * block_size
+                              or copy * bytes_per_token > budget):
+                pieces.append(plan_piece(tables, lens, starts, group[start:i], block_size, dev))
+                start, own = i, 0
+            own += blocks
+        pieces += [plan_piece(tables, lens, starts, group[start:], block_size, dev)] if group else []
     return pieces
 
 
-def cut_sorted(lens: list[int], block_size: int, bytes_per_token: int, budget: float) -> list[slice]:
-    """Cut sequences sorted by length into pieces of consecutive ones, each padded to its last (longest): a
-    piece's copy stays within ``PAD_LIMIT`` times the blocks its sequences hold and within ``budget``
-    bytes."""
-    cuts, start, own = [], 0, 0                        # the open piece's first sequence and its blocks
-    for i, n in enumerate(lens):
-        blocks = ceil_div(n, block_size)
-        copy = (i + 1 - start) * blocks                # blocks of the open piece's copy with sequence i in it
-        if i > start and (copy > PAD_LIMIT * (own + blocks) or copy * block_size * bytes_per_token > budget):
-            cuts.append(slice(start, i))
-            start, own = i, 0
-        own += blocks
-    return cuts + [slice(start, len(lens))] if lens else []
-
-
-def plan_piece(block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], new: list[int],
-               starts: list[int], block_size: int, g: list[int]) -> Piece:
-    """The ``Piece`` of sequences ``g`` (indices into the step's batch)."""
-    dev, c, n, counts = block_tables.device, len(g), max(lens[b] for b in g), [new[b] for b in g]
-    if g == list(range(g[0], g[-1] + 1)):          # consecutive sequences: views
-        ids, rows = slice(g[0], g[-1] + 1), slice(starts[g[0]], starts[g[-1] + 1])
-    else:
-        ids = torch.tensor(g, device=dev)
-        rows = torch.tensor([r for b in g for r in range(starts[b], starts[b + 1])], device=dev)
-    lens_t, new_t, n_blocks = seq_lens[ids], torch.tensor(counts, device=dev), ceil_div(n, block_size)
-    # whole blocks in one index_select; table entries past a sequence's last block (-1) read block 0
-    used = torch.arange(n_blocks, device=dev) * block_size < lens_t[:, None]            # [c, n_blocks]
-    blocks = torch.where(used, block_tables[ids, :n_blocks], 0).long().view(-1)
-    unused = torch.arange(n_blocks * block_size, device=dev) >= lens_t[:, None]          # [c, n_blocks * bs]
+def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], g: list[int],
+               block_size: int, device: torch.device) -> Piece:
+    """The ``Piece`` of sequences ``g`` (indices into the step's batch; ``tables``: the block tables)."""
+    long = partial(torch.tensor, dtype=torch.long, device=device)
+    counts, n, blocks, unused = [starts[b + 1] - starts[b] for b in g], max(lens[b] for b in g), [], []
+    width = ceil_div(n, block_size)                                           # blocks per sequence
+    for b in g:       # table entries past a sequence's last block (-1) read block 0, zeroed like its tail
+        used = ceil_div(lens[b], block_size)
+        unused += range(len(blocks) * block_size + lens[b], (len(blocks) + width) * block_size)
+        blocks += tables[b][:used] + [0] * (width - used)
+    lens_t, new_t = long([lens[b] for b in g]), long(counts)                              # [c]
     scatter = None
     if min(counts) < max(counts):                  # queries padded to [c, m]: sequence b's tokens first
-        seq = torch.repeat_interleave(torch.arange(c, device=dev), new_t)                # [T] row's sequence
-        scatter = (seq, torch.arange(len(seq), device=dev) - (new_t.cumsum(0) - new_t)[seq])  # its index
+        seq = torch.repeat_interleave(torch.arange(len(g), device=device), new_t)         # [T] its sequence
+        scatter = (seq, torch.arange(len(seq), device=device) - (new_t.cumsum(0) - new_t)[seq])  # index
     # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
     # of one length are SDPA's own causal case (which skips the masked half of the work)
-    q_pos = (lens_t - new_t)[:, None] + torch.arange(max(counts), device=dev)            # [c, m]
-    mask = None if min(counts) == n else (torch.arange(n, device=dev) <= q_pos[:, :, None])[:, None]
-    return Piece(rows, blocks, unused.view(-1).nonzero().squeeze(1), n, scatter, mask)
+    q_pos = (lens_t - new_t)[:, None] + torch.arange(max(counts), device=device)         # [c, m]
+    mask = None if min(counts) == n else (torch.arange(n, device=device) <= q_pos[:, :, None])[:, None]
+    rows = [r for b in g for r in range(starts[b], starts[b + 1])]                      # its rows of q
+    rows = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else long(rows)
+    return Piece(rows, long(blocks), long(unused), len(g), n, scatter, mask)
 
 
-def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pieces: list[Piece],
+def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[Piece],
                   scale: float, k_scale: float | torch.Tensor = 1.0,
                   v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``paged_attention_varlen`` on checked inputs, the step cut into ``pieces`` by ``plan_varlen`` and the
-    scales as ``check_scales`` returns them (a caller that plans once per step calls this once per layer):
-    one ``attend_padded`` call per piece."""
-    if len(pieces) == 1 and isinstance(pieces[0].rows, slice):                 # one call: q as it is
-        return attend_padded(q, k_cache, v_cache, pieces[0], scale, k_scale, v_scale)
+    """``paged_attention_varlen`` on checked inputs, cut into pieces by ``plan_varlen``, the scales as
+    ``check_scales`` returns them (a caller that plans once per step calls this once per layer): one
+    ``attend_padded`` call per piece."""
     out = torch.empty_like(q)                                                  # [T, q_heads, D]
-    for p in pieces:
+    for p in plan:
         out[p.rows] = attend_padded(q[p.rows], k_cache, v_cache, p, scale, k_scale, v_scale)
     return out
 
 
 def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Piece, scale: float,
                   k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """One piece's ``c`` sequences, padded to the longest, in one gather and one SDPA call: ``q``
-    ``[T, q_heads, head_dim]`` holds each sequence's new tokens in turn; returns the same shape."""
-    T, q_heads, head_dim = q.shape
+    """One piece in one gather from each pool and one SDPA call: ``q`` ``[T, q_heads, head_dim]`` holds
+    each sequence's new tokens in turn; returns the same shape."""
+    (T, q_heads, head_dim), c = q.shape, p.seqs
     k, v = (gather_padded(x, p, s, q.dtype) for x, s in ((k_cache, k_scale), (v_cache, v_scale)))  # [c,H,n,D]
     if p.scatter is None:                                                       # no padding: a view
-        qp = q.view(k.shape[0], -1, q_heads, head_dim)                          # [c, m, q_heads, D]
+        qp = q.view(c, -1, q_heads, head_dim)                                   # [c, m, q_heads, D]
     else:
-        qp = q.new_zeros(k.shape[0], p.mask.shape[2], q_heads, head_dim)
+        qp = q.new_zeros(c, p.mask.shape[2], q_heads, head_dim)
         qp[p.scatter] = q
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=p.mask, is_causal=p.mask is None,
                                        scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
@@ -146,15 +139,12 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def gather_padded(cache: torch.Tensor, p: Piece, scale: float | torch.Tensor = 1.0,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Positions ``0..p.n-1`` of a piece's sequences in a pool ``[num_blocks, block_size, kv_heads,
-    head_dim]``: a copy, viewed as ``[c, kv_heads, n, head_dim]`` for SDPA, zero at and past each
-    sequence's length (no NaN of an unused slot survives); an fp8 pool dequantized (times ``scale``) into
-    ``dtype``."""
-    kv_heads, head_dim = cache.shape[2:]
+    head_dim]``: a copy of whole blocks, viewed as ``[c, kv_heads, n, head_dim]`` for SDPA, zero at and past
+    each sequence's length (no NaN of an unused slot survives); an fp8 pool dequantized (times ``scale``)."""
     x = cache.index_select(0, p.blocks)                                         # [c * n_blocks, bs, H, D]
-    x = (dequantize(x, scale, dtype) if cache.dtype in FP8_DTYPES else x).view(-1, kv_heads * head_dim)
-    x.index_fill_(0, p.unused, 0.0)
-    width = ceil_div(p.n, cache.shape[1]) * cache.shape[1]                      # slots per sequence
-    return x.view(-1, width, kv_heads, head_dim)[:, :p.n].transpose(1, 2)
+    x = dequantize(x, scale, dtype) if cache.dtype in FP8_DTYPES else x
+    x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
+    return x.view(p.seqs, -1, *x.shape[2:])[:, :p.n].transpose(1, 2)
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
