@@ -122,29 +122,24 @@ def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Piece, scale: float,
                   k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """One piece in one gather from each pool and one SDPA call: ``q`` ``[T, q_heads, head_dim]`` holds
-    each sequence's new tokens in turn; returns the same shape."""
-    (T, q_heads, head_dim), c = q.shape, p.seqs
-    k, v = (gather_padded(x, p, s, q.dtype) for x, s in ((k_cache, k_scale), (v_cache, v_scale)))  # [c,H,n,D]
+    """One piece in one SDPA call, on a copy of its sequences' blocks (one ``index_select`` per pool) that
+    is zero at and past each sequence's length, so no NaN of an unused slot survives (an fp8 pool is
+    dequantized, times its scale, into ``q``'s dtype). ``q`` ``[T, q_heads, head_dim]`` holds each
+    sequence's new tokens in turn; returns the same shape."""
+    (T, q_heads, head_dim), c, kv = q.shape, p.seqs, []
+    for cache, s in ((k_cache, k_scale), (v_cache, v_scale)):
+        x = cache.index_select(0, p.blocks)                                     # [c * n_blocks, bs, H, D]
+        x = dequantize(x, s, q.dtype) if cache.dtype in FP8_DTYPES else x
+        x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
+        kv.append(x.view(c, -1, *x.shape[2:])[:, :p.n].transpose(1, 2))        # [c, H, n, D]: a view
     if p.scatter is None:                                                       # no padding: a view
         qp = q.view(c, -1, q_heads, head_dim)                                   # [c, m, q_heads, D]
     else:
         qp = q.new_zeros(c, p.mask.shape[2], q_heads, head_dim)
         qp[p.scatter] = q
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=p.mask, is_causal=p.mask is None,
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), *kv, attn_mask=p.mask, is_causal=p.mask is None,
                                        scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
     return o.reshape(T, q_heads, head_dim) if p.scatter is None else o[p.scatter]
-
-
-def gather_padded(cache: torch.Tensor, p: Piece, scale: float | torch.Tensor = 1.0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Positions ``0..p.n-1`` of a piece's sequences in a pool ``[num_blocks, block_size, kv_heads,
-    head_dim]``: a copy of whole blocks, viewed as ``[c, kv_heads, n, head_dim]`` for SDPA, zero at and past
-    each sequence's length (no NaN of an unused slot survives); an fp8 pool dequantized (times ``scale``)."""
-    x = cache.index_select(0, p.blocks)                                         # [c * n_blocks, bs, H, D]
-    x = dequantize(x, scale, dtype) if cache.dtype in FP8_DTYPES else x
-    x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
-    return x.view(p.seqs, -1, *x.shape[2:])[:, :p.n].transpose(1, 2)
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
