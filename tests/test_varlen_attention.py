@@ -7,6 +7,8 @@ Shapes stay tiny: the interpreter executes every Triton op with numpy, one progr
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,6 +291,32 @@ def test_a_step_cut_into_one_call_per_sequence_gives_the_same_result(monkeypatch
     out = paged_attention_varlen(*args)
     torch.testing.assert_close(out, whole, **TOLERANCES[out.dtype])
     check(out, cache, args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=24),
+       st.sampled_from([1, 4, 16]))
+def test_a_step_plan_covers_every_row_once_and_bounds_the_padding(seqs, block_size):
+    """``plan_varlen``: every row of q in exactly one piece, decodes never with chunks, a piece's rows its
+    sequences' in turn, and a piece of several sequences copies at most ``PAD_LIMIT`` times their blocks."""
+    from pagedlib.kernels.varlen import PAD_LIMIT
+
+    lens, starts = [c + n for c, n in seqs], [0, *itertools.accumulate(n for _, n in seqs)]
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.tensor([[b * width + j if j < -(-n // block_size) else -1 for j in range(width)]
+                           for b, n in enumerate(lens)], dtype=torch.int32)
+    owner = [b for b, (_, n) in enumerate(seqs) for _ in range(n)]               # each row's sequence
+    plan, seen = plan_varlen(tables, lens, starts, block_size, 1), []
+    for p in plan:
+        rows = list(range(starts[-1]))[p.rows] if isinstance(p.rows, slice) else p.rows.tolist()
+        members = list(dict.fromkeys(owner[r] for r in rows))
+        assert rows == [r for b in members for r in range(starts[b], starts[b + 1])]
+        assert len({starts[b + 1] - starts[b] == 1 for b in members}) == 1 and p.seqs == len(members)
+        own = sum(-(-lens[b] // block_size) for b in members)
+        assert len(p.blocks) == p.seqs * -(-p.n // block_size) and p.n == max(lens[b] for b in members)
+        assert p.seqs == 1 or len(p.blocks) <= PAD_LIMIT * own
+        seen += rows
+    assert sorted(seen) == list(range(starts[-1]))
 
 
 @pytest.mark.parametrize("group,block_q", [(16, 4), (8, 8)])

@@ -18,7 +18,8 @@ from pagedlib.kernels._checks import check_scales, check_varlen_inputs
 from pagedlib.kernels.attention import default_chunk_bytes, softmax_scale
 
 CHUNK_BYTES = 16 * 2**20  # bound on one call's padded K+V copy (at least; 64 MiB off the CPU)
-PAD_LIMIT = 1.2  # a call's padded copy holds at most this many times its sequences' own blocks
+PAD_LIMIT = 1.2  # a piece's padded copy holds at most this many times its own blocks (on a CPU
+#                 padding costs more than another SDPA call)
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,8 +48,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 class Piece(NamedTuple):
-    """Sequences of a step that one SDPA call attends, padded to the longest, from one copy of their blocks
-    (``plan_varlen`` plans a step once; every layer reuses the plan)."""
+    """Sequences that one SDPA call attends, padded to the longest (``plan_varlen``: once per step)."""
 
     rows: slice | torch.Tensor      # its rows of q (a slice when they are consecutive)
     blocks: torch.Tensor            # int64 [c * n_blocks]: the blocks to copy, sequence after sequence
@@ -61,11 +61,9 @@ class Piece(NamedTuple):
 
 def plan_varlen(block_tables: torch.Tensor, lens: list[int], starts: list[int], block_size: int,
                 bytes_per_token: int) -> list[Piece]:
-    """Cut a step into pieces (checked inputs; ``lens``, ``starts``: ``seq_lens`` and ``query_start_loc``
-    as lists; ``bytes_per_token``: of the K+V copy). Two groups: the decodes (one new token), and the
-    prompts and chunks (padding a decode to a chunk's length would multiply its work); each sorted by
-    length and cut where a piece's copy would pass ``PAD_LIMIT`` times its sequences' own blocks (on a CPU
-    padding costs more than another call) or ``CHUNK_BYTES``."""
+    """Cut a step (``seq_lens``, ``query_start_loc`` as lists) into pieces: the decodes apart (padding one
+    to a chunk's length would multiply its work), each group sorted by length and cut where a piece's copy
+    of K+V (``bytes_per_token``) would pass ``PAD_LIMIT`` times its own blocks or ``CHUNK_BYTES``."""
     new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
     dev, tables, pieces = block_tables.device, block_tables.tolist(), []
     budget = max(CHUNK_BYTES, default_chunk_bytes(dev))
@@ -111,9 +109,8 @@ def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], g: l
 def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[Piece],
                   scale: float, k_scale: float | torch.Tensor = 1.0,
                   v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``paged_attention_varlen`` on checked inputs, cut into pieces by ``plan_varlen``, the scales as
-    ``check_scales`` returns them (a caller that plans once per step calls this once per layer): one
-    ``attend_padded`` call per piece."""
+    """``paged_attention_varlen`` on checked inputs cut into pieces by ``plan_varlen`` (once per step), the
+    scales as ``check_scales`` returns them: one ``attend_padded`` call per piece."""
     out = torch.empty_like(q)                                                  # [T, q_heads, D]
     for p in plan:
         out[p.rows] = attend_padded(q[p.rows], k_cache, v_cache, p, scale, k_scale, v_scale)
@@ -132,11 +129,8 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         x = dequantize(x, s, q.dtype) if cache.dtype in FP8_DTYPES else x
         x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
         kv.append(x.view(c, -1, *x.shape[2:])[:, :p.n].transpose(1, 2))        # [c, H, n, D]: a view
-    if p.scatter is None:                                                       # no padding: a view
-        qp = q.view(c, -1, q_heads, head_dim)                                   # [c, m, q_heads, D]
-    else:
-        qp = q.new_zeros(c, p.mask.shape[2], q_heads, head_dim)
-        qp[p.scatter] = q
+    qp = q.view(c, -1, q_heads, head_dim) if p.scatter is None else \
+        q.new_zeros(c, p.mask.shape[2], q_heads, head_dim).index_put_(p.scatter, q)  # [c, m, q_heads, D]
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), *kv, attn_mask=p.mask, is_causal=p.mask is None,
                                        scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
     return o.reshape(T, q_heads, head_dim) if p.scatter is None else o[p.scatter]
