@@ -18,8 +18,7 @@ from pagedlib.kernels._checks import check_scales, check_varlen_inputs
 from pagedlib.kernels.attention import default_chunk_bytes, softmax_scale
 
 CHUNK_BYTES = 16 * 2**20  # bound on one call's padded K+V copy (at least; 64 MiB off the CPU)
-PAD_LIMIT = 1.2  # a piece's padded copy holds at most this many times its own blocks (on a CPU
-#                 padding costs more than another SDPA call)
+PAD_LIMIT = 1.2  # a piece's padded copy holds at most this many times its own blocks (padding costs more)
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -92,14 +91,12 @@ def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], g: l
         used = ceil_div(lens[b], block_size)
         unused += range(len(blocks) * block_size + lens[b], (len(blocks) + width) * block_size)
         blocks += tables[b][:used] + [0] * (width - used)
-    lens_t, new_t = long([lens[b] for b in g]), long(counts)                              # [c]
-    scatter = None
-    if min(counts) < max(counts):                  # queries padded to [c, m]: sequence b's tokens first
-        seq = torch.repeat_interleave(torch.arange(len(g), device=device), new_t)         # [T] its sequence
-        scatter = (seq, torch.arange(len(seq), device=device) - (new_t.cumsum(0) - new_t)[seq])  # index
+    scatter = None if min(counts) == max(counts) else (    # queries padded to [c, m]: each row's (b, j)
+        long([i for i, m in enumerate(counts) for _ in range(m)]),
+        long([j for m in counts for j in range(m)]))
     # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
     # of one length are SDPA's own causal case (which skips the masked half of the work)
-    q_pos = (lens_t - new_t)[:, None] + torch.arange(max(counts), device=device)         # [c, m]
+    q_pos = long([[lens[b] - m + j for j in range(max(counts))] for b, m in zip(g, counts)])  # [c, m]
     mask = None if min(counts) == n else (torch.arange(n, device=device) <= q_pos[:, :, None])[:, None]
     rows = [r for b in g for r in range(starts[b], starts[b + 1])]                      # its rows of q
     rows = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else long(rows)
@@ -119,10 +116,9 @@ def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Piece, scale: float,
                   k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """One piece in one SDPA call, on a copy of its sequences' blocks (one ``index_select`` per pool) that
-    is zero at and past each sequence's length, so no NaN of an unused slot survives (an fp8 pool is
-    dequantized, times its scale, into ``q``'s dtype). ``q`` ``[T, q_heads, head_dim]`` holds each
-    sequence's new tokens in turn; returns the same shape."""
+    """One piece in one SDPA call on a copy of its blocks (one ``index_select`` per pool), zero at and past
+    each sequence's length so that no NaN of an unused slot survives (fp8: dequantized into ``q``'s dtype).
+    ``q`` ``[T, q_heads, head_dim]`` holds each sequence's new tokens in turn; returns the same shape."""
     (T, q_heads, head_dim), c, kv = q.shape, p.seqs, []
     for cache, s in ((k_cache, k_scale), (v_cache, v_scale)):
         x = cache.index_select(0, p.blocks)                                     # [c * n_blocks, bs, H, D]
@@ -148,12 +144,10 @@ def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     (T, q_heads, head_dim), kv_heads, bs = q.shape, k_cache.shape[2], k_cache.shape[1]
     scale = softmax_scale(head_dim, scale)
     out = torch.empty(T, q_heads, head_dim, dtype=torch.float64, device=q.device)
-    for b, n in enumerate(lens):
-        a, e = starts[b], starts[b + 1]
+    for b, (n, a, e) in enumerate(zip(lens, starts, starts[1:])):
         key_pos = torch.arange(n, device=q.device)                             # [n]
-        phys = block_tables[b].long()[key_pos // bs]                           # [n] block of each token
-        k = k_cache[phys, key_pos % bs].double() * per_head(k_scale)           # [n, kv_heads, D]
-        v = v_cache[phys, key_pos % bs].double() * per_head(v_scale)
+        slot = block_tables[b].long()[key_pos // bs], key_pos % bs             # [n] block, offset each
+        k, v = (x[slot].double() * per_head(s) for x, s in ((k_cache, k_scale), (v_cache, v_scale)))
         qb = q[a:e].double().reshape(e - a, kv_heads, q_heads // kv_heads, head_dim)  # [m, kv_heads, g, D]
         scores = torch.einsum("mhgd,nhd->mhgn", qb, k) * scale                 # [m, kv_heads, g, n]
         q_pos = torch.arange(n - (e - a), n, device=q.device)                  # [m] the new tokens' positions
