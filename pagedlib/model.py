@@ -265,9 +265,8 @@ class PagedLlama(nn.Module):
         tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
         blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
         lens = [start + len(c) for start, c in zip(starts, chunks)]
-        s = self.shape
-        plan = None if kernel else plan_varlen(tables, lens, loc, bs,
-                                               2 * s.num_kv_heads * s.head_dim * self.dtype.itemsize)
+        per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.dtype.itemsize  # K+V bytes
+        plan = None if kernel else plan_varlen(tables, lens, loc, bs, per_token)
         return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
                     positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
                     torch.tensor(lens, dtype=torch.int32, device=dev), kernel, plan)

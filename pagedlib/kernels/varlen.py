@@ -1,8 +1,7 @@
-"""Attention for a flat batch of query tokens (notebook 09): each sequence brings any number of new tokens,
-its last ones (one for a decode, a whole prompt, or a chunk of one after earlier chunks or a cached
-prefix), and each attends causally to its sequence's cached and new tokens through the block table.
-``paged_attention_varlen`` is the torch path, ``paged_attention_varlen_oracle`` the float64 reference; the
-Triton kernel ``paged_attention_varlen_triton`` takes the same arguments."""
+"""Attention for a flat batch of query tokens (notebook 09): each sequence brings its last tokens, any number
+(a decode's one, a prompt, a chunk after earlier chunks or a cached prefix), each attending causally to its
+sequence's cached and new tokens through the block table. ``paged_attention_varlen`` (torch), its float64
+oracle ``paged_attention_varlen_oracle`` and ``paged_attention_varlen_triton`` take the same arguments."""
 
 from __future__ import annotations
 
@@ -67,17 +66,14 @@ def plan_varlen(block_tables: torch.Tensor, lens: list[int], starts: list[int], 
     dev, tables, pieces = block_tables.device, block_tables.tolist(), []
     budget = max(CHUNK_BYTES, default_chunk_bytes(dev))
     for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
-        group.sort(key=lambda b: lens[b])
-        start, own = 0, 0                                  # the open piece's first sequence and its blocks
-        for i, b in enumerate(group):
-            blocks = ceil_div(lens[b], block_size)
-            copy = (i + 1 - start) * blocks * block_size   # tokens of its copy with b (the longest) in it
-            if i > start and (copy > PAD_LIMIT * (own + blocks) * block_size
-                              or copy * bytes_per_token > budget):
-                pieces.append(plan_piece(tables, lens, starts, group[start:i], block_size, dev))
-                start, own = i, 0
-            own += blocks
-        pieces += [plan_piece(tables, lens, starts, group[start:], block_size, dev)] if group else []
+        piece = []                                         # the open piece, padded to its last (longest)
+        for b in sorted(group, key=lambda b: lens[b]):
+            copy = (len(piece) + 1) * ceil_div(lens[b], block_size)           # its blocks with b in it
+            if piece and (copy > PAD_LIMIT * sum(ceil_div(lens[s], block_size) for s in [*piece, b])
+                          or copy * block_size * bytes_per_token > budget):
+                pieces, piece = pieces + [plan_piece(tables, lens, starts, piece, block_size, dev)], []
+            piece.append(b)
+        pieces += [plan_piece(tables, lens, starts, piece, block_size, dev)] if piece else []
     return pieces
 
 
