@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedlib import checks
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.kernels.varlen import attend_varlen
+from pagedlib.kernels.varlen import Piece, attend_varlen, plan_varlen
 
 
 @dataclass(frozen=True)
@@ -65,20 +65,18 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's tokens are rows [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    lens: list[int]                   # seq_lens and query_start_loc as lists (for the torch path)
-    starts: list[int]
-    kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch
+    kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch, with
+    plan: list[Piece] | None          # its plan, the same for every layer (plan_varlen)
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
-        scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks: the
-        step's inputs are built here, once."""
+        scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
+        plan: the step's inputs are built here, once."""
         if self.kernel is not None:
             return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
                                k_scale=k_scale, v_scale=v_scale)
-        return attend_varlen(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.lens, self.starts,
-                             q.shape[-1] ** -0.5, k_scale, v_scale)
+        return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
 class RMSNorm(nn.Module):
@@ -267,9 +265,11 @@ class PagedLlama(nn.Module):
         tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
         blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
         lens = [start + len(c) for start, c in zip(starts, chunks)]
+        per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.dtype.itemsize  # K+V bytes
+        plan = None if kernel else plan_varlen(tables, lens, loc, bs, per_token)
         return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
                     positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
-                    torch.tensor(lens, dtype=torch.int32, device=dev), lens, loc, kernel)
+                    torch.tensor(lens, dtype=torch.int32, device=dev), kernel, plan)
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""

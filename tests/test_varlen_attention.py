@@ -7,6 +7,8 @@ Shapes stay tiny: the interpreter executes every Triton op with numpy, one progr
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,12 @@ import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first im
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize, kv_scale, quantize
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
-from pagedlib.kernels.varlen import attend_varlen, paged_attention_varlen, paged_attention_varlen_oracle
+from pagedlib.kernels.varlen import (
+    attend_varlen,
+    paged_attention_varlen,
+    paged_attention_varlen_oracle,
+    plan_varlen,
+)
 
 # after pagedlib, which picks Triton's mode before triton's first import
 pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the kernel tests need it")
@@ -286,6 +293,32 @@ def test_a_step_cut_into_one_call_per_sequence_gives_the_same_result(monkeypatch
     check(out, cache, args)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=24),
+       st.sampled_from([1, 4, 16]))
+def test_a_step_plan_covers_every_row_once_and_bounds_the_padding(seqs, block_size):
+    """``plan_varlen``: every row of q in exactly one piece, decodes never with chunks, a piece's rows its
+    sequences' in turn, and a piece of several sequences copies at most ``PAD_LIMIT`` times their blocks."""
+    from pagedlib.kernels.varlen import PAD_LIMIT
+
+    lens, starts = [c + n for c, n in seqs], [0, *itertools.accumulate(n for _, n in seqs)]
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.tensor([[b * width + j if j < -(-n // block_size) else -1 for j in range(width)]
+                           for b, n in enumerate(lens)], dtype=torch.int32)
+    owner = [b for b, (_, n) in enumerate(seqs) for _ in range(n)]               # each row's sequence
+    plan, seen = plan_varlen(tables, lens, starts, block_size, 1), []
+    for p in plan:
+        rows = list(range(starts[-1]))[p.rows] if isinstance(p.rows, slice) else p.rows.tolist()
+        members = list(dict.fromkeys(owner[r] for r in rows))
+        assert rows == [r for b in members for r in range(starts[b], starts[b + 1])]
+        assert len({starts[b + 1] - starts[b] == 1 for b in members}) == 1 and p.seqs == len(members)
+        own = sum(-(-lens[b] // block_size) for b in members)
+        assert len(p.blocks) == p.seqs * -(-p.n // block_size) and p.n == max(lens[b] for b in members)
+        assert p.seqs == 1 or len(p.blocks) <= PAD_LIMIT * own
+        seen += rows
+    assert sorted(seen) == list(range(starts[-1]))
+
+
 @pytest.mark.parametrize("group,block_q", [(16, 4), (8, 8)])
 def test_chunks_longer_than_a_query_block_span_several_programs(group, block_q):
     from pagedlib.kernels.triton_varlen import varlen_config
@@ -345,8 +378,9 @@ def test_fp8_steps_cut_into_pieces_and_decode_steps_match_the_other_paths(monkey
     whole = paged_attention_varlen(*args, **scales)
     monkeypatch.setattr(varlen, "CHUNK_BYTES", 0)
     lens, starts = args[4].tolist(), args[5].tolist()
-    pieces = attend_varlen(*args[:5], lens, starts, args[0].shape[2] ** -0.5, scales["k_scale"],
-                           scales["v_scale"])
+    plan = plan_varlen(args[3], lens, starts, args[1].shape[1], 2 * 2 * 16 * 2)
+    assert [p.seqs for p in plan] == [1] * len(lens)                   # one piece per sequence
+    pieces = attend_varlen(*args[:3], plan, args[0].shape[2] ** -0.5, scales["k_scale"], scales["v_scale"])
     torch.testing.assert_close(pieces, whole, **TOLERANCES[torch.float16])
     decode = (args[0][[0, 13]], *args[1:3], args[3][[0, 3]], args[4][[0, 3]])  # the two decode tokens
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)

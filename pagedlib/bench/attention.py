@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -233,17 +232,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: context/4 and context)")
     parser.add_argument("--no-sweeps", action="store_true", help="only the decode, prefill and mixed tables")
     add_run_arguments(parser, repeats=20, repeats_help="timed calls per implementation")
+    parser.set_defaults(usage_error=parser.error)  # for main: combinations are usage errors too
 
 
 def main(args: argparse.Namespace) -> int:
+    usage_error = vars(args).pop("usage_error")
     if args.q_heads % args.kv_heads:
-        print(f"error: --q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})",
-              file=sys.stderr)
-        raise SystemExit(2)
+        usage_error(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if args.chunks and max(args.chunks) > args.context:
-        print(f"error: argument --chunks: each chunk must be <= --context ({args.context}), got "
-              f"{max(args.chunks)}", file=sys.stderr)
-        raise SystemExit(2)
+        usage_error(f"argument --chunks: each chunk must be <= --context ({args.context}), got "
+                    f"{max(args.chunks)}")
     cfg = AttentionConfig(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
                           args.block_size, args.dtype, default_device(args.device))
     with num_threads(args.threads):

@@ -1,22 +1,20 @@
 """``python -m pagedlib.bench generate``: end-to-end greedy generation, tokens per second (notebook 08).
 
 The same requests (seeded random prompts of different lengths, ``--max-new-tokens`` each) on the same
-model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``LlamaConfig``), three ways:
-
-- ``engine``          ``pagedlib.engine.Engine``: continuous batching on the paged cache, whole prompts
-                      (``torch`` attention; also ``triton`` on CUDA);
-- ``engine_chunked``  the same with a token budget of ``--max-num-batched-tokens`` per step (chunked prefill);
-- ``hf_generate``     transformers' ``generate`` on one left-padded batch (its contiguous ``DynamicCache``);
-- ``hf_generate_batch`` transformers' paged continuous batching (``generate_batch``).
+model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``LlamaConfig``), four ways:
+``engine`` (``pagedlib.engine.Engine``: continuous batching on the paged cache, whole prompts, ``torch``
+attention; also ``engine_triton`` on CUDA), ``engine_chunked`` (the same with a token budget of
+``--max-num-batched-tokens`` per step: chunked prefill), ``hf_generate`` (transformers' ``generate`` on one
+left-padded batch, its contiguous ``DynamicCache``) and ``hf_generate_batch`` (transformers' paged
+continuous batching, ``generate_batch``).
 
 ``tokens_per_s`` is new tokens over the best of ``--repeats`` wall-clock runs; ``speedup`` is the engine's
-time over the method's in the same run (``speedup vs engine``: above 1 is faster than the engine). KV
-memory: ``kv_alloc_MB`` is what the method set aside for K/V (the block pools of the engine and of
-generate_batch; the padded contiguous cache of ``hf_generate``), ``kv_peak_MB`` what held tokens at the
-fullest moment (the engine's blocks in use; all of ``hf_generate``'s padded cache; blank for
-generate_batch, which does not report its blocks in use). ``--kv-cache-dtype fp8_e4m3`` gives the engine
-an fp8 cache (1 byte per element; its tokens may then differ from the reference's). ``same_tokens``
-compares each method's tokens with ``hf_generate`` one prompt at a time.
+time over the method's in the same run (above 1: faster than the engine). ``kv_alloc_MB`` is what the
+method set aside for K/V (the block pools of the engine and of generate_batch; the padded contiguous cache
+of ``hf_generate``), ``kv_peak_MB`` what held tokens at the fullest moment (the engine's blocks in use; all
+of ``hf_generate``'s cache; blank for generate_batch, which does not report it). ``--kv-cache-dtype
+fp8_e4m3`` gives the engine an fp8 cache (its tokens may then differ). ``same_tokens`` compares each
+method's tokens with ``hf_generate`` one prompt at a time.
 """
 
 from __future__ import annotations

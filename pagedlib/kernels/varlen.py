@@ -1,10 +1,12 @@
-"""Attention for a flat batch of query tokens (notebook 09): each sequence brings any number of new tokens,
-its last ones (one for a decode, a whole prompt, or a chunk of one after earlier chunks or a cached
-prefix), and each attends causally to its sequence's cached and new tokens through the block table.
-``paged_attention_varlen`` is the torch path, ``paged_attention_varlen_oracle`` the float64 reference; the
-Triton kernel ``paged_attention_varlen_triton`` takes the same arguments."""
+"""Attention for a flat batch of query tokens (notebook 09): each sequence brings its last tokens, any number
+(a decode's one, a prompt, a chunk after earlier chunks or a cached prefix), each attending causally to its
+sequence's cached and new tokens through the block table. ``paged_attention_varlen`` (torch), its float64
+oracle ``paged_attention_varlen_oracle`` and ``paged_attention_varlen_triton`` take the same arguments."""
 
 from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +14,10 @@ import torch.nn.functional as F
 from pagedlib.checks import ceil_div
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize, per_head
 from pagedlib.kernels._checks import check_scales, check_varlen_inputs
-from pagedlib.kernels.attention import default_chunk_bytes, plan_chunks, softmax_scale
+from pagedlib.kernels.attention import default_chunk_bytes, softmax_scale
 
 CHUNK_BYTES = 16 * 2**20  # bound on one call's padded K+V copy (at least; 64 MiB off the CPU)
+PAD_LIMIT = 1.2  # a piece's padded copy holds at most this many times its own blocks (padding costs more)
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -37,84 +40,92 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     lens, starts = check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
-    return attend_varlen(q, k_cache, v_cache, block_tables, seq_lens, lens, starts,
-                         softmax_scale(q.shape[2], scale), k_scale, v_scale)
+    plan = plan_varlen(block_tables, lens, starts, k_cache.shape[1],
+                       2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size())
+    return attend_varlen(q, k_cache, v_cache, plan, softmax_scale(q.shape[2], scale), k_scale, v_scale)
 
 
-def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, lens: list[int], starts: list[int], scale: float,
-                  k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``paged_attention_varlen`` on checked inputs, ``seq_lens`` and ``query_start_loc`` also given as the
-    lists ``lens`` and ``starts``, the scales as ``check_scales`` returns them (a caller that checked once
-    per step calls this once per layer).
+class Piece(NamedTuple):
+    """Sequences that one SDPA call attends, padded to the longest (``plan_varlen``: once per step)."""
 
-    Two groups: the decodes (one new token), and the prompts and chunks (padding a decode to a chunk's
-    length would multiply its work); each in pieces of consecutive sequences whose padded K/V copy stays
-    within ``CHUNK_BYTES`` (``plan_chunks``), one ``attend_padded`` call per piece."""
+    rows: slice | torch.Tensor      # its rows of q (a slice when they are consecutive)
+    blocks: torch.Tensor            # int64 [c * n_blocks]: the blocks to copy, sequence after sequence
+    unused: torch.Tensor            # int64: slots of the copy at or past their sequence's length (zeroed)
+    seqs: int                       # c
+    n: int                          # keys per sequence: the longest length
+    scatter: tuple[torch.Tensor, torch.Tensor] | None  # each row's (sequence, index) in the padded queries
+    mask: torch.Tensor | None       # bool [c, 1, m, n]: which keys each query sees; None: SDPA's causal case
+
+
+def plan_varlen(block_tables: torch.Tensor, lens: list[int], starts: list[int], block_size: int,
+                bytes_per_token: int) -> list[Piece]:
+    """Cut a step (``seq_lens``, ``query_start_loc`` as lists) into pieces: the decodes apart (padding one
+    to a chunk's length would multiply its work), each group sorted by length and cut where a piece's copy
+    of K+V (``bytes_per_token``) would pass ``PAD_LIMIT`` times its own blocks or ``CHUNK_BYTES``."""
     new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
-    bs, per_token = k_cache.shape[1], 2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
-    budget, pieces = max(CHUNK_BYTES, default_chunk_bytes(q.device)), []
+    dev, tables, pieces = block_tables.device, block_tables.tolist(), []
+    budget = max(CHUNK_BYTES, default_chunk_bytes(dev))
     for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
-        chunks = plan_chunks([lens[b] for b in group], bs, per_token, budget)
-        pieces += [group[r.start:r.stop] for r in chunks]
-    if len(pieces) == 1:                                                       # one call: q as it is
-        return attend_padded(q, k_cache, v_cache, block_tables, seq_lens, lens, new, scale, k_scale, v_scale)
+        piece = []                                         # the open piece, padded to its last (longest)
+        for b in sorted(group, key=lambda b: lens[b]):
+            copy = (len(piece) + 1) * ceil_div(lens[b], block_size)           # its blocks with b in it
+            if piece and (copy > PAD_LIMIT * sum(ceil_div(lens[s], block_size) for s in [*piece, b])
+                          or copy * block_size * bytes_per_token > budget):
+                pieces, piece = pieces + [plan_piece(tables, lens, starts, piece, block_size, dev)], []
+            piece.append(b)
+        pieces += [plan_piece(tables, lens, starts, piece, block_size, dev)] if piece else []
+    return pieces
+
+
+def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], g: list[int],
+               block_size: int, device: torch.device) -> Piece:
+    """The ``Piece`` of sequences ``g`` (indices into the step's batch; ``tables``: the block tables)."""
+    long = partial(torch.tensor, dtype=torch.long, device=device)
+    counts, n, blocks, unused = [starts[b + 1] - starts[b] for b in g], max(lens[b] for b in g), [], []
+    width = ceil_div(n, block_size)                                           # blocks per sequence
+    for b in g:       # table entries past a sequence's last block (-1) read block 0, zeroed like its tail
+        used = ceil_div(lens[b], block_size)
+        unused += range(len(blocks) * block_size + lens[b], (len(blocks) + width) * block_size)
+        blocks += tables[b][:used] + [0] * (width - used)
+    scatter = None if min(counts) == max(counts) else (    # queries padded to [c, m]: each row's (b, j)
+        long([i for i, m in enumerate(counts) for _ in range(m)]),
+        long([j for m in counts for j in range(m)]))
+    # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
+    # of one length are SDPA's own causal case (which skips the masked half of the work)
+    q_pos = long([[lens[b] - m + j for j in range(max(counts))] for b, m in zip(g, counts)])  # [c, m]
+    mask = None if min(counts) == n else (torch.arange(n, device=device) <= q_pos[:, :, None])[:, None]
+    rows = [r for b in g for r in range(starts[b], starts[b + 1])]                      # its rows of q
+    rows = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else long(rows)
+    return Piece(rows, long(blocks), long(unused), len(g), n, scatter, mask)
+
+
+def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[Piece],
+                  scale: float, k_scale: float | torch.Tensor = 1.0,
+                  v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``paged_attention_varlen`` on checked inputs cut into pieces by ``plan_varlen`` (once per step), the
+    scales as ``check_scales`` returns them: one ``attend_padded`` call per piece."""
     out = torch.empty_like(q)                                                  # [T, q_heads, D]
-    for g in pieces:
-        if g == list(range(g[0], g[-1] + 1)):      # consecutive sequences (decodes first, as vLLM orders a
-            ids, rows = slice(g[0], g[-1] + 1), slice(starts[g[0]], starts[g[-1] + 1])  # step): views
-        else:
-            ids = torch.tensor(g, device=q.device)
-            rows = torch.tensor([r for b in g for r in range(starts[b], starts[b + 1])], device=q.device)
-        out[rows] = attend_padded(q[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
-                                  [lens[b] for b in g], [new[b] for b in g], scale, k_scale, v_scale)
+    for p in plan:
+        out[p.rows] = attend_padded(q[p.rows], k_cache, v_cache, p, scale, k_scale, v_scale)
     return out
 
 
-def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                  seq_lens: torch.Tensor, lens: list[int], new: list[int], scale: float,
+def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Piece, scale: float,
                   k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``c`` sequences, each padded to the longest, in one gather and one SDPA call (checked inputs): ``q``
-    ``[T, q_heads, head_dim]`` holds each sequence's ``new[b]`` tokens in turn; returns the same shape."""
-    (T, q_heads, head_dim), c, n, m = q.shape, len(lens), max(lens), max(new)
-    dev = q.device
-    k, v = (gather_padded(x, tables, seq_lens, n, s, q.dtype) for x, s in ((k_cache, k_scale),
-                                                                          (v_cache, v_scale)))  # [c, H, n, D]
-    # queries: [c, m, ...], sequence b's tokens first in its row, then zeros
-    if min(new) == m:                                                           # no padding: a view
-        seq = j = None
-        qp = q.reshape(c, m, q_heads, head_dim)
-    else:
-        new_t = torch.tensor(new, device=dev)                                   # [c]
-        seq = torch.repeat_interleave(torch.arange(c, device=dev), new_t)       # [T] each row's sequence
-        j = torch.arange(T, device=dev) - (new_t.cumsum(0) - new_t)[seq]        # [T] its index there
-        qp = q.new_zeros(c, m, q_heads, head_dim)
-        qp[seq, j] = q
-    # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
-    # of one length are SDPA's own causal case (which skips the masked half of the work)
-    q_pos = (seq_lens - torch.tensor(new, device=dev))[:, None] + torch.arange(m, device=dev)  # [c, m]
-    mask = None if min(new) == n else (torch.arange(n, device=dev) <= q_pos[:, :, None])[:, None]  # [c,1,m,n]
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+    """One piece in one SDPA call on a copy of its blocks (one ``index_select`` per pool), zero at and past
+    each sequence's length so that no NaN of an unused slot survives (fp8: dequantized into ``q``'s dtype).
+    ``q`` ``[T, q_heads, head_dim]`` holds each sequence's new tokens in turn; returns the same shape."""
+    (T, q_heads, head_dim), c, kv = q.shape, p.seqs, []
+    for cache, s in ((k_cache, k_scale), (v_cache, v_scale)):
+        x = cache.index_select(0, p.blocks)                                     # [c * n_blocks, bs, H, D]
+        x = dequantize(x, s, q.dtype) if cache.dtype in FP8_DTYPES else x
+        x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
+        kv.append(x.view(c, -1, *x.shape[2:])[:, :p.n].transpose(1, 2))        # [c, H, n, D]: a view
+    qp = q.view(c, -1, q_heads, head_dim) if p.scatter is None else \
+        q.new_zeros(c, p.mask.shape[2], q_heads, head_dim).index_put_(p.scatter, q)  # [c, m, q_heads, D]
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), *kv, attn_mask=p.mask, is_causal=p.mask is None,
                                        scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
-    return o.reshape(T, q_heads, head_dim) if seq is None else o[seq, j]
-
-
-def gather_padded(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, n: int,
-                  scale: float | torch.Tensor = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Positions ``0..n-1`` of ``c`` sequences of a pool ``[num_blocks, block_size, kv_heads, head_dim]``
-    (``tables`` ``[c, max_blocks]``, ``seq_lens`` ``[c]``): a copy, viewed as ``[c, kv_heads, n, head_dim]``
-    for SDPA (a contiguous one measured no faster here), zero at and past each sequence's length (no NaN of
-    an unused slot survives); an fp8 pool dequantized (times ``scale``) into ``dtype``."""
-    c, (bs, kv_heads, head_dim) = tables.shape[0], cache.shape[1:]
-    n_blocks = ceil_div(n, bs)
-    # whole blocks in one index_select; table entries past a sequence's last block (-1) read block 0
-    used = torch.arange(n_blocks, device=cache.device) * bs < seq_lens[:, None]       # [c, n_blocks]
-    ids = torch.where(used, tables[:, :n_blocks], 0).long()                          # [c, n_blocks]
-    x = cache.index_select(0, ids.reshape(-1))                                  # [c * n_blocks, bs, H, D]
-    x = (dequantize(x, scale, dtype) if cache.dtype in FP8_DTYPES else x).view(-1, kv_heads * head_dim)
-    unused = torch.arange(n_blocks * bs, device=cache.device) >= seq_lens[:, None]   # [c, n_blocks * bs]
-    x.index_fill_(0, unused.reshape(-1).nonzero().squeeze(1), 0.0)
-    return x.view(c, n_blocks * bs, kv_heads, head_dim)[:, :n].transpose(1, 2)
+    return o.reshape(T, q_heads, head_dim) if p.scatter is None else o[p.scatter]
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -129,12 +140,10 @@ def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     (T, q_heads, head_dim), kv_heads, bs = q.shape, k_cache.shape[2], k_cache.shape[1]
     scale = softmax_scale(head_dim, scale)
     out = torch.empty(T, q_heads, head_dim, dtype=torch.float64, device=q.device)
-    for b, n in enumerate(lens):
-        a, e = starts[b], starts[b + 1]
+    for b, (n, a, e) in enumerate(zip(lens, starts, starts[1:])):
         key_pos = torch.arange(n, device=q.device)                             # [n]
-        phys = block_tables[b].long()[key_pos // bs]                           # [n] block of each token
-        k = k_cache[phys, key_pos % bs].double() * per_head(k_scale)           # [n, kv_heads, D]
-        v = v_cache[phys, key_pos % bs].double() * per_head(v_scale)
+        slot = block_tables[b].long()[key_pos // bs], key_pos % bs             # [n] block, offset each
+        k, v = (x[slot].double() * per_head(s) for x, s in ((k_cache, k_scale), (v_cache, v_scale)))
         qb = q[a:e].double().reshape(e - a, kv_heads, q_heads // kv_heads, head_dim)  # [m, kv_heads, g, D]
         scores = torch.einsum("mhgd,nhd->mhgn", qb, k) * scale                 # [m, kv_heads, g, n]
         q_pos = torch.arange(n - (e - a), n, device=q.device)                  # [m] the new tokens' positions
