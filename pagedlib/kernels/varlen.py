@@ -66,13 +66,15 @@ def plan_varlen(block_tables: torch.Tensor, lens: list[int], starts: list[int], 
     dev, tables, pieces = block_tables.device, block_tables.tolist(), []
     budget = max(CHUNK_BYTES, default_chunk_bytes(dev))
     for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
-        piece = []                                         # the open piece, padded to its last (longest)
+        piece, own = [], 0                   # the open piece, padded to its last (longest), and its blocks
         for b in sorted(group, key=lambda b: lens[b]):
-            copy = (len(piece) + 1) * ceil_div(lens[b], block_size)           # its blocks with b in it
-            if piece and (copy > PAD_LIMIT * sum(ceil_div(lens[s], block_size) for s in [*piece, b])
-                          or copy * block_size * bytes_per_token > budget):
-                pieces, piece = pieces + [plan_piece(tables, lens, starts, piece, block_size, dev)], []
+            blocks = ceil_div(lens[b], block_size)
+            copy = (len(piece) + 1) * blocks                                   # its blocks with b in it
+            if piece and (copy > PAD_LIMIT * (own + blocks) or copy * block_size * bytes_per_token > budget):
+                pieces.append(plan_piece(tables, lens, starts, piece, block_size, dev))
+                piece, own = [], 0
             piece.append(b)
+            own += blocks
         pieces += [plan_piece(tables, lens, starts, piece, block_size, dev)] if piece else []
     return pieces
 
