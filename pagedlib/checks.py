@@ -1,8 +1,8 @@
-"""Argument checks: the shared ``as_int``, ``ceil_div`` and ``refuse``; the model's and the engine's."""
+"""Argument checks of the model and the engine (the neutral ``as_int``, ``ceil_div`` and ``refuse`` are in
+``pagedlib.util``)."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.util import as_int, refuse
 
 #: model_type -> the transformers class ``PagedLlama.from_hf`` loads: each proven token-equal by a test
 SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -17,32 +18,6 @@ SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
 _FIELDS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
            "rope_type": "default"}
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the attention paths' dtypes
-
-
-def as_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` (an int, numpy integer or one-element integer tensor, not a bool) as an ``int``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got a bool ({value!r})")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-    if minimum is not None and result < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {result}")
-    if maximum is not None and result > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {result}")
-    return result
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def refuse(*checks: tuple[object, str]) -> None:
-    """``ValueError`` with the message of the first ``(condition, message)`` whose condition holds."""
-    for bad, message in checks:
-        if bad:
-            raise ValueError(message)
 
 
 def check_hf_config(config: Any) -> None:

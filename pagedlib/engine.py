@@ -14,9 +14,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedlib.checks import as_int, check_engine, check_generate, check_token_budget, token_list
+from pagedlib.checks import check_engine, check_generate, check_token_budget, token_list
 from pagedlib.core.scheduler import ChunkedScheduler, Request, Scheduler, StepPlan
 from pagedlib.model import PagedLlama, attention_kernel
+from pagedlib.util import as_int
 
 PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
 WATERMARK = 0.01  # share of the blocks admission keeps free for running requests to grow into (vLLM's)

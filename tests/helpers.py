@@ -7,8 +7,8 @@ import copy
 
 import torch
 
-from pagedlib.checks import ceil_div
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.util import ceil_div
 
 
 def snapshot(c: PagedKVCache) -> PagedKVCache:

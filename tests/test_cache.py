@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import assert_unchanged, snapshot
 
-from pagedlib.checks import ceil_div
 from pagedlib.core.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
+from pagedlib.util import ceil_div
 
 L, BS, H, D = 2, 4, 2, 3
 

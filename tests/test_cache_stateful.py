@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedlib.checks import ceil_div
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.util import ceil_div
 
 L, H, D = 2, 1, 2  # tiny geometry: the bookkeeping is what is under test
 SEQ_IDS = st.integers(min_value=0, max_value=5)

@@ -1,8 +1,10 @@
 """The shape of ``pagedlib`` as a textbook: small enough to read in one sitting, arrows one way.
 
-These are the measurable promises of the README's layout section: line budgets, short functions, no
-import cycle, ``core`` independent of the simulation, teaching and benchmark code, and every object a
-notebook displays with ``show_source`` public and short.
+These are the measurable promises of the README's layout section: short functions, no import cycle, layers
+that import only downward (``util`` imports nothing, ``core`` no model, engine or teaching code), no module
+reaching into another subpackage's private module, and every object a notebook displays with
+``show_source`` public and short. No physical-line budget: a budget squeezes lines, and a clear line beats
+a short one.
 """
 
 from __future__ import annotations
@@ -20,29 +22,7 @@ MODULES = {
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
     for p in sorted(PKG.rglob("*.py"))
 }
-ENGINE_PATH = ["pagedlib.engine"]
-KERNELS = ["pagedlib.kernels.attention", "pagedlib.kernels.triton_decode", "pagedlib.kernels.triton_mode"]
-VARLEN = ["pagedlib.kernels.varlen", "pagedlib.kernels.triton_varlen"]  # notebook 09's unified paths
-# Line budgets. Issue 17 asked 4,200 lines for the package of chapters 01-08; the split reached 4,625 and a
-# second trim (every figure, view and message kept identical) 4,541. The rest is the teaching tools in
-# teach/ and sim/ (widgets, figures, the sizing calculator, the tiny model's training, PTX tools), kept
-# whole: the README's layout section says so. Their budget is a ratchet at 4,550 (engine path 1,600,
-# kernels 650): lower a number whenever the code shrinks, never raise it. Each later chapter adds the lines
-# it was allowed, named here, so that growth is a decision and never drift.
-BASE = {"package": 4550, "engine path": 1600, "kernels": 650, "varlen kernels": 0}
-CHAPTERS = {
-    "09 chunked prefill, unified kernel": {"package": 530, "engine path": 110, "varlen kernels": 320},  # +10:
-    # the torch path's per-step plan (length-sorted pieces), which made the chunked engine beat generate
-    "10 fp8 KV cache": {"package": 200, "engine path": 60},
-    "11 radix tree vs block hashes": {"package": 500, "engine path": 190},
-    "website players (03, 06)": {"package": 120},
-}
-LIMITS = {k: v + sum(c.get(k, 0) for c in CHAPTERS.values()) for k, v in BASE.items()}
 MAX_FUNCTION, MAX_KERNEL, MAX_SHOWN = 40, 60, 40
-
-
-def lines(module: str) -> int:
-    return len(MODULES[module].read_text().splitlines())
 
 
 def imports(module: str) -> set[str]:
@@ -67,19 +47,6 @@ def closure(start: list[str], stop: set[str]) -> set[str]:
         seen.add(m)
         todo += imports(m)
     return seen
-
-
-def is_checks(module: str) -> bool:
-    return module.rsplit(".", 1)[-1] in ("checks", "_checks")
-
-
-def test_line_budgets():
-    package = [m for m in MODULES if not m.startswith("pagedlib.bench")]
-    engine = closure(ENGINE_PATH, stop={*KERNELS, *VARLEN, *(m for m in MODULES if is_checks(m))})
-    counts = {"package": sum(map(lines, package)), "engine path": sum(map(lines, engine)),
-              "kernels": sum(map(lines, KERNELS)), "varlen kernels": sum(map(lines, VARLEN))}
-    over = {k: (v, LIMITS[k]) for k, v in counts.items() if v > LIMITS[k]}
-    assert not over, f"over budget (lines, limit): {over}; engine path = {sorted(engine)}"
 
 
 def _functions(tree: ast.AST):
@@ -115,11 +82,36 @@ def test_no_import_cycle():
             visit(m, [])
 
 
-def test_core_and_kernels_import_no_teaching_code():
-    for m in MODULES:
-        if m.startswith(("pagedlib.core", "pagedlib.kernels")) or m in ("pagedlib.model", "pagedlib.engine"):
-            bad = {n for n in imports(m) if n.split(".")[1] in ("sim", "teach", "bench")}
-            assert not bad, f"{m} imports {sorted(bad)}"
+# The layers, bottom up: a module may import its own layer and the ones below it, never one above.
+LAYERS = ["pagedlib.util", "pagedlib.core", "pagedlib.kernels", "pagedlib.checks", "pagedlib.model",
+          "pagedlib.engine", "pagedlib.sim", "pagedlib.teach", "pagedlib.bench", "pagedlib.vllm_bridge"]
+
+
+def layer(module: str) -> int:
+    """The index in ``LAYERS`` of the longest entry that is ``module`` or a package holding it."""
+    found = [i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")]
+    assert found, f"{module} is in no layer: add it to LAYERS"
+    return max(found)
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "pagedlib"])
+def test_imports_go_down_the_layers(module):
+    above = {n for n in imports(module) if layer(n) > layer(module)}
+    assert not above, f"{module} (layer {LAYERS[layer(module)]}) imports {sorted(above)} from a layer above"
+
+
+def test_util_imports_nothing_from_pagedlib():
+    assert not imports("pagedlib.util")
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "pagedlib"])
+def test_no_private_module_of_another_subpackage(module):
+    def package(name: str) -> str:
+        return name.rsplit(".", 1)[0]
+
+    private = {n for n in imports(module) if n.rsplit(".", 1)[-1].startswith("_")}
+    foreign = {n for n in private if package(n) != package(module)}
+    assert not foreign, f"{module} imports the private modules {sorted(foreign)} of another package"
 
 
 def _shown_objects():

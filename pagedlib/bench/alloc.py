@@ -37,8 +37,8 @@ from pagedlib.bench.timing import (
     time_fn,
     write_json,
 )
-from pagedlib.checks import ceil_div
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.util import ceil_div
 
 COLUMNS = ["phase", "method", "tokens", "us_per_call", "tokens_per_s", "GB_per_s", "pct_of_copy",
            "x_faster_than_append_token"]

@@ -43,7 +43,6 @@ from pagedlib.bench.timing import (
     time_once,
     write_json,
 )
-from pagedlib.checks import ceil_div
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import (
     contiguous_attention,
@@ -54,6 +53,7 @@ from pagedlib.kernels.attention import (
     sliding_window_mask,
 )
 from pagedlib.kernels.varlen import paged_attention_varlen
+from pagedlib.util import ceil_div
 
 SPEEDUP = "speedup vs SDPA (x faster)"  # contiguous SDPA's time / the row's time, at the same point
 COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", SPEEDUP, "spread"]

@@ -39,7 +39,7 @@ from pagedlib.bench.timing import (
     time_fn,
     write_json,
 )
-from pagedlib.checks import ceil_div
+from pagedlib.util import ceil_div
 
 COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup vs engine",
            "kv_alloc_MB", "kv_peak_MB", "same_tokens"]

@@ -49,7 +49,6 @@ from pagedlib.bench.timing import (
     speedup,
     write_json,
 )
-from pagedlib.checks import ceil_div
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import (
     REL_ERROR_LIMITS,
@@ -58,6 +57,7 @@ from pagedlib.kernels.attention import (
     paged_attention_oracle,
     rel_error,
 )
+from pagedlib.util import ceil_div
 
 RESULTS_DIR = Path("benchmarks/results")
 PREFILL_SHAPES = ((1, 4096), (8, 2048), (32, 512))  # (prompts, tokens each) of the prefill table

@@ -8,8 +8,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from pagedlib.checks import as_int, refuse
 from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.util import as_int, refuse
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *FP8_DTYPES)  # f64: oracles
 KV_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 cache quantizes

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
-from pagedlib.checks import ceil_div
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.core.radix_cache import RadixCache
+from pagedlib.util import ceil_div
 
 
 class OutOfBlocksError(RuntimeError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from pagedlib.checks import as_int, ceil_div, refuse
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
+from pagedlib.util import as_int, ceil_div, refuse
 
 POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
 

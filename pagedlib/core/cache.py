@@ -10,12 +10,12 @@ from typing import NamedTuple
 
 import torch
 
-from pagedlib.checks import as_int
 from pagedlib.core import _checks as checks
 from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
 from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError  # noqa: F401 (re-exported)
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.util import as_int
 
 _STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
 

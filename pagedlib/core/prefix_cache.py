@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedlib.checks import as_int
+from pagedlib.util import as_int
 
 
 class BlockKey:

@@ -8,7 +8,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pagedlib.checks import as_int
+from pagedlib.util import as_int
 
 
 class TreeNode:

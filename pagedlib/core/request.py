@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedlib.checks import as_int, refuse
+from pagedlib.util import as_int, refuse
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlib.checks import as_int, ceil_div, refuse
 from pagedlib.core.budgets import PagedBudget, SlabBudget, check_policy
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 from pagedlib.core.window import release_outside_window
+from pagedlib.util import as_int, ceil_div, refuse
 
 
 @dataclass

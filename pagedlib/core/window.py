@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from pagedlib.checks import as_int
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.util import as_int
 
 
 def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -> int:

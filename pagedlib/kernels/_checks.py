@@ -7,9 +7,9 @@ import numbers
 
 import torch
 
-from pagedlib.checks import as_int, refuse
 from pagedlib.core._checks import scales
 from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.util import as_int, refuse
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 256, 128, 64  # the Triton kernel's limits

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedlib.checks import as_int, ceil_div
 from pagedlib.core.fp8 import dequantize, per_head
 from pagedlib.kernels import _checks
 from pagedlib.kernels._checks import check_paged_inputs, check_scales
+from pagedlib.util import as_int, ceil_div
 
 #: ``assert_close(a, b, **TOLERANCES[dtype])`` between two outputs: the article's absolute tolerances plus
 #: about one unit in the last place (a bf16 output above 1 has an ulp of 0.0078, more than 5e-3 alone).

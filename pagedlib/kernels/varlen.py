@@ -11,10 +11,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedlib.checks import ceil_div
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize, per_head
 from pagedlib.kernels._checks import check_scales, check_varlen_inputs
 from pagedlib.kernels.attention import default_chunk_bytes, softmax_scale
+from pagedlib.util import ceil_div
 
 CHUNK_BYTES = 16 * 2**20  # bound on one call's padded K+V copy (at least; 64 MiB off the CPU)
 PAD_LIMIT = 1.2  # a piece's padded copy holds at most this many times its own blocks (padding costs more)

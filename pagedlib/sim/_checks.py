@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pagedlib.checks import as_int
 from pagedlib.core.budgets import check_policy
 from pagedlib.core.scheduler import Request
+from pagedlib.util import as_int
 
 MAX_REQUESTS = 10**6       # a workload's length (one Request object each)
 MAX_MODEL_LEN = 2**40      # lengths stay far inside int64

@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from pagedlib.checks import ceil_div
 from pagedlib.core.budgets import SlabBudget
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.scheduler import ChunkedScheduler, Request, Scheduler, StepPlan
 from pagedlib.sim._checks import check_simulate
 from pagedlib.sim.workloads import fake_token_ids
+from pagedlib.util import ceil_div
 
 #: Where a slot goes (the vLLM paper's Figure 2 categories, defined in notebook 07 and ``slot_breakdown``).
 CATEGORIES = ("token", "reservation", "internal", "external", "other")

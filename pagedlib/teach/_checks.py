@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedlib.checks import as_int, ceil_div
 from pagedlib.core.cache import OutOfBlocksError, UnknownSequenceError
+from pagedlib.util import as_int, ceil_div
 
 # The view draws every slot and sequence: beyond these it refuses (the largest view is ~0.3 MiB of HTML)
 MAX_SLOTS = 512       # num_blocks * block_size

@@ -6,9 +6,9 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from pagedlib.checks import as_int
 from pagedlib.teach import sizing
 from pagedlib.teach.sizing import DTYPE_BYTES, PRESETS, ModelSpec, format_bytes
+from pagedlib.util import as_int
 
 # the controls' ranges: "requests that fit" (up to ~9 million) stays exact and takes about a second
 MAX_TOKENS_LIMIT, MAX_SEQS_LIMIT = 1 << 20, 4096

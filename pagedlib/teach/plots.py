@@ -12,10 +12,10 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from pagedlib.checks import ceil_div
 from pagedlib.sim.simulate import CATEGORIES
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.teach.sizing import block_table_entries, paged_utilization
+from pagedlib.util import ceil_div
 
 # a line per write method (notebook 02), attention implementation (04) or admission policy (07)
 LINE_COLORS = {**dict.fromkeys(["append_batch", "append_tokens", "paged"], OWNER_COLORS[0]),

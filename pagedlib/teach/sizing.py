@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedlib.checks import as_int, ceil_div, refuse
+from pagedlib.util import as_int, ceil_div, refuse
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}  # bytes per element
 MAX_SEQ_LEN = 2**62  # the longest sequence taken (tokens): block arithmetic stays in int64

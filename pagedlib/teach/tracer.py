@@ -13,10 +13,10 @@ from typing import Any
 import ipywidgets as widgets
 import torch
 
-from pagedlib.checks import as_int
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.teach import _checks
 from pagedlib.teach.tracer_view import _s, render_history, render_html
+from pagedlib.util import as_int
 
 # Play's scenario, one (operation, seq id or None, token count, narration) per step, for block_size 4.
 SCENARIO: tuple[tuple[str, int | None, int, str], ...] = (
