@@ -5,6 +5,7 @@ Notebook 01's histogram quotes the median a reader computes; notebook 06's evict
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 from matplotlib.colors import to_hex
@@ -106,3 +107,23 @@ def test_eviction_axis_starts_at_zero_and_marks_are_drawn():
     left, right = fig.axes
     assert right.get_ylim()[0] == 0 and right.get_ylim()[1] >= 470
     assert {t.get_text().strip() for t in left.texts} == {"2 running requests", "+ 6 prompts"}
+
+
+def test_the_pool_pictures_give_each_request_its_own_colour_and_mark_preemptions_above_the_pool():
+    """Notebook 07's figure 2: 24 requests, 24 colours (a cycle of 12 made two requests look like one);
+    the preemption marks sit above the pool, large enough to see; a frame's title names the step asked."""
+    from matplotlib.colors import to_hex
+    from matplotlib.lines import Line2D
+
+    from pagedlib.sim.simulate import simulate
+    from pagedlib.sim.workloads import LengthModel, synthetic_workload
+
+    assert len({to_hex(c) for c in plots.request_rgb(np.arange(24))}) == 24
+    tiny = synthetic_workload(24, LengthModel(12, 0.5, 24, 0.8), seed=1, rate=0.5, max_model_len=64)
+    paged = simulate(tiny, "paged", 32, 4, max_model_len=64, record_occupancy=True)
+    assert paged.preemptions > 0 and paged.occupancy.steps[0] > 0   # idle steps before the first arrival
+    fig = plots.plot_pool_occupancy([paged])
+    marks = [line for line in fig.axes[0].lines if isinstance(line, Line2D) and line.get_marker() == "v"]
+    assert len(marks[0].get_xdata()) == int((paged.series["preempted"] > 0).sum())
+    assert min(marks[0].get_ydata()) > 128 and marks[0].get_markersize() >= 7
+    assert "step 30:" in plots.plot_pool_step(paged, 30).axes[0].get_title()

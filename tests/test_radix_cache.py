@@ -231,23 +231,50 @@ def test_engine_refuses_an_unknown_design_and_from_hf_passes_it_on(ref, model):
     assert isinstance(engine.cache.prefix_cache, RadixCache)
 
 
-def test_the_figures_show_both_structures_with_labels_and_legends():
-    """Notebook 11's drawing: one box per tree node and one per hash entry, free blocks marked; the bars
-    have a labelled axis and one legend entry per (design, block size)."""
-    import matplotlib.pyplot as plt
+def drawn_boxes(ax) -> dict[str, str]:
+    """The boxes of a ``draw_prefix_caches`` panel: the last line of each box's label -> its fill colour
+    (each box is a filled rectangle and then its label, in the same order)."""
+    from matplotlib.colors import to_hex
+    from matplotlib.text import Annotation
 
-    from pagedlib.teach.prefix_view import draw_prefix_caches, plot_side_by_side
+    filled = [patch for patch in ax.patches if patch.get_fill()]
+    labels = [t.get_text() for t in ax.texts if not isinstance(t, Annotation)]
+    return {label.split("\n")[-1]: to_hex(patch.get_facecolor()) for patch, label in zip(filled, labels)}
+
+
+def test_the_figures_draw_the_root_colour_each_block_and_show_every_arrowhead():
+    """Notebook 11's drawing: the tree from its root, a dashed outline per node around its blocks, each
+    block coloured by whether a table holds it (a free block inside a held node is green); one box per hash
+    entry; every arrow's head outside every box, so each one shows. The bars have a labelled axis and one
+    legend entry per (design, block size)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Annotation
+
+    from pagedlib.teach.colors import CACHED_COLOR
+    from pagedlib.teach.prefix_view import HELD_COLOR, draw_prefix_caches, plot_side_by_side
 
     a, b = list(range(100, 130)), list(range(100, 120)) + list(range(200, 210))
     caches = {d: new_cache(d) for d in ("radix", "hash")}
     for c in caches.values():
         prefill(c, 0, a), prefill(c, 1, b)
         c.free_sequence(0)
+    held = caches["radix"].tables[1][:3]                          # b's full blocks: a0, a1 and its own
+    free = caches["radix"].prefix_cache.node_of.keys() - set(held)
+    assert len(free) == 1                                         # a's third block: nobody holds it now
     fig = draw_prefix_caches(caches["radix"].prefix_cache, caches["hash"].prefix_cache,
                              caches["radix"].ref_counts, caches["hash"].ref_counts)
-    tree, chain = ([t.get_text() for t in ax.texts if t.get_bbox_patch()] for ax in fig.axes)  # the boxes
-    assert len(tree) == 3 and len(chain) == 4                    # [a0 a1] -> {[a2], [b2]}; 4 cached blocks
-    assert not any("free: " in t for t in tree)                  # each node here is wholly free or held
+    tree, chain = fig.axes
+    want = {f"block {x}": HELD_COLOR.lower() for x in held}
+    want |= {f"block {x}": CACHED_COLOR.lower() for x in free}
+    assert drawn_boxes(tree) == {"(no tokens)": "#ffffff", **want}   # the root, then 4 blocks in 3 nodes
+    assert len([p for p in tree.patches if not p.get_fill()]) == 3 and "3 nodes" in tree.get_title()
+    assert drawn_boxes(chain) == want
+    for ax, arrows in ((tree, 3), (chain, 3)):                    # root->[a0 a1]->{[a2], [b2]}; a1->a0 ...
+        heads = [t.xy for t in ax.texts if isinstance(t, Annotation)]
+        assert len(heads) == arrows
+        for x, y in heads:
+            assert not any(p.contains_point(ax.transData.transform((x, y)), radius=-1.0)
+                           for p in ax.patches if p.get_fill())
     assert all(ax.get_xlabel() for ax in fig.axes) and fig.legends
     rows = [{"workload": w, "design": d, "block_size": bs, "hit_rate": 0.5}
             for w in ("x", "y") for bs in (1, 16) for d in ("hash", "radix")]

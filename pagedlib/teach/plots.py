@@ -7,7 +7,7 @@ import io
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.colors import to_rgb
+from matplotlib.colors import hsv_to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -27,7 +27,6 @@ WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": 
 WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
                 "internal": "internal fragmentation", "external": "external fragmentation (paper: & others)",
                 "other": "other (free, too little / watermark)", "unattributed": "not broken down"}
-REQUEST_COLORS = (*OWNER_COLORS, "#2F4B7C", "#FFA600", "#7A9E2F", "#00A5B8")  # request i: [i % 12]
 
 
 def _new_figure(width: float, height: float, **kwargs) -> tuple[Figure, plt.Axes]:
@@ -347,18 +346,27 @@ def plot_policy_sweep(rows: list[dict], x: str, ys: list[tuple[str, str]], xlabe
     return _suptitle(fig, title)
 
 
+def request_rgb(req_ids: np.ndarray) -> np.ndarray:
+    """[..., 3] RGB of request ids, one colour per id whatever the count: the hue steps round the wheel by the
+    golden ratio (ids next to each other, which sit next to each other in the pool, get distant hues and
+    no two ids the same one), and every other id is darker."""
+    hue = (np.asarray(req_ids) * 0.6180339887) % 1.0
+    value = np.where(np.asarray(req_ids) % 2 == 0, 0.92, 0.68)
+    return hsv_to_rgb(np.stack([hue, np.full(hue.shape, 0.75), value], axis=-1))
+
+
 def _occupancy_rgb(owner, filled):
     """RGB of slots: white if free, the owner's colour if it holds a token, a pale tint if set aside."""
-    palette = np.array([to_rgb(c) for c in REQUEST_COLORS])
     rgb = np.ones((*owner.shape, 3))
     held = owner >= 0
-    base = palette[owner[held] % len(palette)]
+    base = request_rgb(owner[held])
     rgb[held] = np.where(filled[held][:, None], base, 0.3 * base + 0.7)
     return rgb
 
 
 def plot_pool_occupancy(results: list) -> Figure:
-    """The pool over time (x: step, y: slot address), a panel per ``SimResult`` with ``record_occupancy``."""
+    """The pool over time (x: step, y: slot address), a panel per ``SimResult`` with ``record_occupancy``;
+    the steps with preemptions marked in a strip above the pool."""
     fig, axes = _new_figure(4.4 * len(results) + 2.0, 4.0, ncols=len(results), squeeze=False, sharex=True,
                             sharey=True)
     for ax, r in zip(axes[0], results):
@@ -368,33 +376,45 @@ def plot_pool_occupancy(results: list) -> Figure:
         if r.policy == "paged" and slots // r.block_size <= 64:
             for b in range(1, slots // r.block_size):
                 ax.axhline(b * r.block_size, color="white", lw=0.3)
+        ax.axhline(slots, color="#555555", lw=0.8)  # the top of the pool; the marks sit above it
         hit = r.series["preempted"] > 0
-        ax.plot(r.series["step"][hit], [slots - 2] * int(hit.sum()), "v", color="black", ms=4)
+        ax.plot(r.series["step"][hit], [slots * 1.045] * int(hit.sum()), "v", color="#D62728", ms=7,
+                markeredgecolor="black", markeredgewidth=0.5)
         last = max(res.occupancy.steps[-1] for res in results)  # one step axis for all panels
-        ax.set(xlim=(-0.5, last + 0.5), ylim=(0, slots), xlabel="step",
+        ax.set(xlim=(-0.5, last + 0.5), ylim=(0, slots * 1.09), xlabel="step",
                ylabel=f"slot address ({slots} slots, block_size {r.block_size})")
         ax.set_title(f"{r.policy}: mean {r.mean_running:.1f} running, {r.steps} steps, "
                      f"{r.preemptions} preemptions", fontsize=9)
-    _legend_right(axes[0][-1], _occupancy_legend())
+    requests = 1 + max(int(res.occupancy.owner.max()) for res in results)
+    _legend_right(axes[0][-1], _occupancy_legend(requests))
     return fig
 
 
-def _occupancy_legend() -> list:
-    """Legend of the pool pictures: the request colours (by id, cycling), their pale tint, free, preempted."""
-    n = len(REQUEST_COLORS)
-    handles = [Patch(color=c, label=f"request {i}, {i + n}, ... (holds a token)")
-               for i, c in enumerate(REQUEST_COLORS[:4])]
-    handles.append(Patch(facecolor="none", edgecolor="none", label=f"... {n} colours in all, by request id"))
-    pale = tuple(0.3 * c + 0.7 for c in to_rgb(REQUEST_COLORS[0]))
+def _occupancy_legend(requests: int) -> list:
+    """Legend of the pool pictures: the first request colours, their pale tint, free, preempted."""
+    handles = [Patch(color=request_rgb(i), label=f"request {i} (holds a token)")
+               for i in range(min(4, requests))]
+    handles.append(Patch(facecolor="none", edgecolor="none",
+                         label=f"... a colour of its own for each of the {requests} requests"))
+    pale = 0.3 * request_rgb(0) + 0.7
     handles += [Patch(color=pale, label="pale: set aside, still empty"),
                 Patch(facecolor="white", edgecolor="#999999", label="white: free"),
-                Line2D([], [], marker="v", color="black", ls="", label="a step with preemptions")]
+                Line2D([], [], marker="v", color="#D62728", markeredgecolor="black", ls="",
+                       label="above the pool: a step with preemptions")]
     return handles
 
 
-def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
-    """The pool of a recorded ``SimResult`` at its ``index``-th step, ``cols`` blocks a row."""
-    occ, bs = result.occupancy, result.block_size
+def _recorded_index(result, step: int) -> int:
+    """Index of the last recorded step at or before ``step`` (the first one if ``step`` comes earlier):
+    the recording skips idle steps, so a step number and an index differ."""
+    index = int(np.searchsorted(result.occupancy.steps, step, side="right")) - 1
+    return max(index, 0)
+
+
+def plot_pool_step(result, step: int, cols: int = 8) -> Figure:
+    """The pool of a recorded ``SimResult`` at step ``step`` (the last recorded step at or before it),
+    ``cols`` blocks a row."""
+    occ, bs, index = result.occupancy, result.block_size, _recorded_index(result, step)
     owner, filled = occ.owner[index], occ.filled[index]
     rows, width = ceil_div(len(owner) // bs, cols), cols * bs
     pad = ((0, rows * width - len(owner)), (0, 0))  # the padding slots draw white, as free ones
@@ -411,17 +431,17 @@ def plot_pool_step(result, index: int, cols: int = 8) -> Figure:
     ax.set_yticks([r + 0.5 for r in range(rows)], [str(r * width) for r in range(rows)], fontsize=7)
     ax.set(xlabel=f"slot offset in the row (one box = one block of {bs} slots; a number: the request id)",
            ylabel="first slot address of the row")
-    solid = Patch(color=REQUEST_COLORS[0], label="solid: holds a token (colour by request)")
-    _legend_right(ax, [solid, *_occupancy_legend()[5:-1]], fontsize=7)
+    solid = Patch(color=request_rgb(0), label="solid: holds a token (colour by request)")
+    _legend_right(ax, [solid, *_occupancy_legend(1)[2:-1]], fontsize=7)
     held = len(set(owner[owner >= 0].tolist()))
     ax.set_title(f"{result.policy}, step {occ.steps[index]}: {held} requests hold {int((owner >= 0).sum())} "
                  f"of {len(owner)} slots, {int(filled.sum())} with a token", fontsize=9)
     return fig
 
 
-def pool_step_png(result, index: int, dpi: int = 90) -> bytes:
+def pool_step_png(result, step: int, dpi: int = 90) -> bytes:
     """``plot_pool_step`` as PNG bytes (the figure closed): the frames of the notebook-07 slider."""
-    fig, buf = plot_pool_step(result, index), io.BytesIO()
+    fig, buf = plot_pool_step(result, step), io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
