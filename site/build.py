@@ -1,8 +1,9 @@
 """Build the course website from the committed, executed notebooks: ``python site/build.py [OUT]``.
 
 Every ``notebooks/[0-9]*.ipynb`` becomes a chapter, in file-name order, and a row of the landing page's
-chapter table (its title is the notebook's first ``# `` heading); ``notebooks/glossary.md`` is the last page. The sources are staged in
-``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes HTML to ``OUT`` (default
+chapter table (its title is the notebook's first ``# `` heading); ``notebooks/glossary.md`` is the last
+page. The sources are staged in ``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes
+HTML to ``OUT`` (default
 ``build/site``, git-ignored like ``build/site-src``); open ``OUT/index.html``."""
 
 from __future__ import annotations
