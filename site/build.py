@@ -1,8 +1,9 @@
 """Build the course website from the committed, executed notebooks: ``python site/build.py [OUT]``.
 
 Every ``notebooks/[0-9]*.ipynb`` becomes a chapter, in file-name order, and a row of the landing page's
-chapter table (its title is the notebook's first ``# `` heading). The sources are staged in
-``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes HTML to ``OUT`` (default
+chapter table (its title is the notebook's first ``# `` heading); ``notebooks/glossary.md`` is the last
+page. The sources are staged in ``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes
+HTML to ``OUT`` (default
 ``build/site``, git-ignored like ``build/site-src``); open ``OUT/index.html``."""
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def stage(src: Path) -> list[tuple[str, str]]:
     shutil.copytree(SITE, src, ignore=shutil.ignore_patterns("build.py", "__pycache__"))
     if (NOTEBOOKS / "images").is_dir():
         shutil.copytree(NOTEBOOKS / "images", src / "images")  # the notebooks link images/...
+    shutil.copy(NOTEBOOKS / "glossary.md", src / "glossary.md")  # every chapter links glossary.md
     chapters = []
     for path in sorted(NOTEBOOKS.glob("[0-9]*.ipynb")):
         nb = json.loads(path.read_text())
@@ -58,7 +60,7 @@ def chapter_table(chapters: list[tuple[str, str]]) -> str:
     """The landing page's chapter table and the (hidden) toctree that orders the pages."""
     rows = [f"| {name[:2]} | [{t.split('·', 1)[-1].strip().replace('|', '&#124;')}]({name}.ipynb) |"
             for name, t in chapters]
-    toc = "\n".join(name for name, _ in chapters)
+    toc = "\n".join([*(name for name, _ in chapters), "glossary"])
     return "\n".join(["| # | chapter |", "|---|---|", *rows, "", "```{toctree}", ":hidden:",
                       ":maxdepth: 1", "", toc, "```"])
 

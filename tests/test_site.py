@@ -52,8 +52,12 @@ def test_tracer_frames_are_the_views_back_and_forward_show():
 def test_player_shows_its_start_frame_without_script_and_the_rest_hidden():
     player = Player(["<b>zero</b>", "<b>one</b>", "<b>two</b>"], ["a", "b", "c"], start=1)
     page = player.html()
-    assert re.findall(r"<div class='pl-frame'( style='display:none')?>", page) == [
-        " style='display:none'", "", " style='display:none'"]
+    # only the start frame is in the page: a renderer that drops the script and the styles (GitHub's)
+    # shows one frame, not every frame's text one after the other
+    assert re.findall(r"<div class='pl-frame'[^>]*>", page) == ["<div class='pl-frame'>"]
+    before_script = page[:page.index("<script>")]
+    assert "<b>one</b>" in before_script and "<b>zero</b>" not in before_script
+    assert '["<b>zero<\\/b>", null, "<b>two<\\/b>"]' in page, "the other frames live in the script"
     bar = page[:page.index("<div class='pl-frame'")]
     assert bar.count(" disabled") == 4, "the controls stay disabled until the script runs"
     assert "<span class='pl-label'>b</span>" in page and '["a", "b", "c"]' in page
@@ -121,6 +125,32 @@ def test_every_notebook_is_a_chapter_with_its_title_in_the_table(site):
         heading = re.escape(title.split("·", 1)[-1].strip())
         row = rf'href="{name}.html"[^>]*>(<span[^>]*>)?{heading}<'
         assert re.search(row, index), f"{name} missing from the chapter table"
+
+
+ARTICLE = "How to Implement Paged Attention in PyTorch and vLLM"
+ARTICLE_URL = "https://swarnava.dev/blogs/implement-paged-attention-pytorch"
+
+
+def test_every_chapter_links_the_glossary_first_and_the_article_where_it_names_it():
+    for name in CHAPTERS:
+        cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+        markdown = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+        assert "](glossary.md)" in markdown[0], f"{name}: its first markdown cell must link the glossary"
+        for text in markdown:
+            if ARTICLE in text:
+                assert ARTICLE_URL in text, f"{name} names the source article without linking it"
+    glossary = (ROOT / "notebooks" / "glossary.md").read_text()
+    assert ARTICLE_URL in glossary
+
+
+def test_the_glossary_is_a_page_of_the_site(site):
+    assert (site / "glossary.html").is_file()
+    page = html.unescape((site / "glossary.html").read_text(encoding="utf-8"))
+    for term in ("Block table", "Copy-on-write", "Prefix caching", "Warp", "Varlen", "LoRA"):
+        assert term in page, f"the glossary page lacks {term}"
+    for name in ["index", *CHAPTERS]:
+        refs = _parse(site / f"{name}.html").refs
+        assert any(ref.split("#")[0] == "glossary.html" for ref in refs), f"{name}.html does not link it"
 
 
 def test_every_internal_link_and_fragment_resolves(site):

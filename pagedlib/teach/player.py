@@ -1,13 +1,16 @@
 """Players: frames computed in Python, stepped in the page with no kernel (notebooks 03 and 06, the site).
 
-A ``Player`` is plain HTML holding every frame, one visible, and a few lines of inline script wiring its
-controls: the same output works on the static website and in JupyterLab. Where no script runs (a notebook
-JupyterLab does not trust yet) that one frame still shows, the controls stay disabled and a note says why."""
+A ``Player`` is plain HTML holding its start frame, and a few lines of inline script that hold the other
+frames and wire the controls: the same output works on the static website and in JupyterLab. Where no
+script runs (a notebook JupyterLab does not trust yet, a renderer that strips scripts and styles) only the
+start frame shows, the controls stay disabled and a note says why; the other frames live in the script,
+so a renderer that drops it does not print every frame's text one after the other."""
 
 from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +26,12 @@ _STATIC = ("Showing one frame only: the controls need this output's script, whic
            "once it trusts the notebook (run this cell, or Trust Notebook from the command palette).")
 # One player per output: the script finds its own root (the element around it) and needs no id.
 _SCRIPT = """<script>(function (root) {
+  var holder = root.querySelector(".pl-frames"), first = holder.firstElementChild;
+  FRAMES.forEach(function (h, i) {  // the start frame is in the page already; the others are built here
+    if (i === START) { holder.appendChild(first); return; }
+    var div = document.createElement("div");
+    div.className = "pl-frame"; div.style.display = "none"; div.innerHTML = h; holder.appendChild(div);
+  });
   var frames = root.querySelectorAll(".pl-frame"), slider = root.querySelector(".pl-slider"),
       label = root.querySelector(".pl-label"), labels = LABELS,
       back = root.querySelector(".pl-back"), play = root.querySelector(".pl-play"),
@@ -45,6 +54,11 @@ _SCRIPT = """<script>(function (root) {
   };
   slider.disabled = play.disabled = false; root.querySelector(".pl-static").remove(); show(START);
 })(document.currentScript.parentNode);</script>"""
+
+
+def _script_json(value: object) -> str:
+    """``value`` as JSON that cannot end the ``<script>`` it sits in (no ``</``, no ``<!--``)."""
+    return json.dumps(value).replace("</", "<\\/").replace("<!--", "<\\u0021--")
 
 
 class Player:
@@ -77,13 +91,13 @@ class Player:
                f"value='{start}' step='1' style='width:220px' disabled aria-label='frame'>"
                f"<span class='pl-label'>{html.escape(self.labels[start])}</span>"
                f"<span class='pl-static' style='{_NOTE}'>{_STATIC}</span></div>")
-        hidden = " style='display:none'"
-        frames = "".join(f"<div class='pl-frame'{hidden * (k != start)}>{f}</div>"
-                         for k, f in enumerate(self.frames))
-        labels = json.dumps(self.labels).replace("</", "<\\/")  # inside <script>: never a closing tag
-        script = _SCRIPT.replace("INTERVAL", str(self.interval_ms)).replace("START", str(start))
-        script = script.replace("LABELS", labels)
-        return f"<div class='pl-player'>{bar}{frames}{script}</div>"
+        shown = f"<div class='pl-frames'><div class='pl-frame'>{self.frames[start]}</div></div>"
+        others = [None if k == start else f for k, f in enumerate(self.frames)]  # [frames], start as null
+        values = {"INTERVAL": str(self.interval_ms), "START": str(start), "LABELS": _script_json(self.labels),
+                  "FRAMES": _script_json(others)}
+        # one pass, so that a placeholder's name inside a frame or a label is never replaced
+        script = re.sub(r"\b(INTERVAL|START|LABELS|FRAMES)\b", lambda m: values[m.group(1)], _SCRIPT)
+        return f"<div class='pl-player'>{bar}{shown}{script}</div>"
 
     def _repr_html_(self) -> str:
         return self.html()

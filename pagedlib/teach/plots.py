@@ -98,7 +98,8 @@ def plot_block_size_tradeoff(seq_lens: list[int], block_sizes: list[int]) -> Fig
     fig, ax = _new_figure(7.0, 3.6)
     ax.plot(block_sizes, waste, "o-", color=OWNER_COLORS[3], label="wasted tail slots (left axis)")
     _log2_ticks(ax, block_sizes)
-    ax.set(xlabel="block_size (tokens per block, log scale)", title="Block size: fragmentation vs lookup")
+    ax.set(xlabel="block_size (tokens per block, log scale)",
+           title="Block size: wasted tail slots vs block-table entries")
     ax.set_ylabel("wasted slots (% of allocated)", color=OWNER_COLORS[3])
     twin = ax.twinx()
     twin.plot(block_sizes, entries, "s--", color=OWNER_COLORS[0], label="block-table entries (right axis)")
@@ -182,7 +183,7 @@ def plot_alloc_benchmark(rows: list[dict]) -> Figure:
     ax.set(yscale="log", xlabel="decode batch (sequences, one new token each; log scale)",
            ylabel="tokens written per second (log scale)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(frameon=False, fontsize=8)
+    _legend_right(ax, ax.get_legend_handles_labels()[0])  # beside the axes: the points stay visible
     ax.set_title("Writing one decode step into the KV cache", fontsize=9)
     return fig
 
@@ -228,6 +229,9 @@ def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "
         ax.grid(alpha=0.3)
     if x == "context":
         left.set(yscale="log", ylabel="time per decode step (ms, log scale)")
+    for ax in (left, right):
+        if ax.get_yscale() == "linear":
+            ax.set_ylim(bottom=0)  # from 0: a cut axis makes run-to-run noise look like an effect
     left.legend(frameon=False)
     return _suptitle(fig, title)
 
@@ -235,17 +239,20 @@ def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "
 # --- notebook 05: Triton kernel -------------------------------------------------------------------
 def plot_split_k_programs(labels: list[str], no_split: list[int], split: list[int], sm_count: int) -> Figure:
     """Programs the decode kernel launches per shape (``labels``), without and with split-K, vs the SMs."""
-    fig, ax = _new_figure(8.0, 3.6)
+    fig, ax = _new_figure(10.0, 3.6)
     x, width = np.arange(len(labels)), 0.4
     ax.bar(x - width / 2, no_split, width, label="no split: batch x KV heads", color=OWNER_COLORS[0])
     ax.bar(x + width / 2, split, width, label="split-K: x num_splits", color=OWNER_COLORS[1])
-    ax.axhline(sm_count, color="black", linewidth=1, linestyle="--")
-    ax.text(-0.4, sm_count * 1.1, f"{sm_count} SMs", ha="left", va="bottom", fontsize=8)
+    # a wave: one program per SM; split-K aims at about two waves
+    ax.axhline(sm_count, color="black", linewidth=1, linestyle="--",
+               label=f"{sm_count} programs: one wave (one per SM)")
+    ax.axhline(2 * sm_count, color="black", linewidth=1, linestyle=":",
+               label=f"{2 * sm_count} programs: two waves (split-K's target)")
     ax.set_yscale("log", base=2)
     ax.set_xticks(x, labels, fontsize=8)
     ax.set(xlabel="batch / context (tokens)", ylabel="programs launched (count)",
            title="Does the grid fill the GPU? (8 KV heads)")
-    ax.legend(fontsize=8, loc="upper left")
+    _legend_right(ax, ax.get_legend_handles_labels()[0])
     return fig
 
 
