@@ -159,11 +159,16 @@ def run_cell(feature: str, attention: str, pool: str) -> Run:
     if pool == "tight":
         num_blocks = ceil_div(longest, block_size)
     engine = Engine.from_hf(hf(model), num_blocks, block_size, attention, **options)
+    if feature == "fp8":
+        assert engine.cache.dtype == torch.float8_e4m3fn and engine.cache.k.element_size() == 1
     run = Run([], [])
     for turn in keys:
         batch = [turns(model)[t][i] for t, i in turn]
         got = run_to_end(engine, batch, new_tokens, options.get("max_num_batched_tokens"))
         assert got == [list(want(model, t, i, feature == "fp8")[:new_tokens]) for t, i in turn]
+        if options.get("enable_prefix_caching"):
+            # the cache's count of tokens found and the engine's agree
+            assert engine.cache.prefix_cache_stats()["hit_tokens"] == engine.stats.cached_tokens
         run.turns.append(batch)
         run.stats.append(copy.copy(engine.stats))      # a copy: the engine's counts go on
     return run
