@@ -101,6 +101,19 @@ def oracle():
     return _ORACLE["value"]
 
 
+def random_kv(n: int | None, num_layers: int, kv_heads: int, head_dim: int, *, seed: int = 0,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random K and V for ``append_tokens``: ``[num_layers, n, kv_heads, head_dim]`` each, or one
+    token's ``[num_layers, kv_heads, head_dim]`` for ``append_token`` when ``n`` is None."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_layers, kv_heads, head_dim)
+    if n is not None:
+        shape = (num_layers, n, kv_heads, head_dim)
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
 def filled_cache(lens: list[int], block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, *, num_layers: int = 2, fill: float = float("nan"),
                  seed: int = 0, device: str = "cpu") -> PagedKVCache:
