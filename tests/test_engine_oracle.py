@@ -91,23 +91,25 @@ def prompts(vocab_size: int) -> tuple[tuple[int, ...], ...]:
 
 
 @functools.cache
-def turns(model: str) -> list[list[list[int]]]:
-    """Two turns of prompts: the second resends each of the first four prompts, transformers' answer to it
-    and a new message."""
+def turn_prompts(model: str, turn: int) -> list[list[int]]:
+    """The prompts of a turn: first, ``SPLITS``; second, each of the first four prompts again with
+    transformers' answer to it and a new message."""
     hf_model = hf(model)
-    first = [list(p) for p in prompts(hf_model.config.vocab_size)]
+    vocab_size = hf_model.config.vocab_size
+    first = [list(p) for p in prompts(vocab_size)]
+    if turn == 0:
+        return first
     g = torch.Generator().manual_seed(8)
     answers = [hf_greedy(hf_model, p, NEW_TOKENS)[0] for p in first[:4]]
-    second = [p + a + torch.randint(0, 50, (3 + i,), generator=g).tolist()
-              for i, (p, a) in enumerate(zip(first, answers))]
-    return [first, second]
+    return [p + a + torch.randint(0, vocab_size, (3 + i,), generator=g).tolist()
+            for i, (p, a) in enumerate(zip(first, answers))]
 
 
 @functools.cache
 def want(model: str, turn: int, index: int, fp8: bool) -> tuple[int, ...]:
     """``NEW_TOKENS`` greedy tokens for one prompt: transformers' ``generate``, or (``fp8``) the fp8
     engine's with the request alone in a roomy pool."""
-    prompt = turns(model)[turn][index]
+    prompt = turn_prompts(model, turn)[index]
     if fp8:
         engine = Engine.from_hf(hf(model), 64, 16, kv_cache_dtype=torch.float8_e4m3fn)
         return tuple(engine.generate([prompt], NEW_TOKENS)[0])
@@ -154,7 +156,7 @@ def run_cell(feature: str, attention: str, pool: str) -> Run:
     keys = [[(0, i) for i in picked]]
     if options.get("enable_prefix_caching") and attention == "torch":
         keys.append([(1, i) for i in picked if i < 4])
-    longest = max(len(turns(model)[t][i]) for turn in keys for t, i in turn) + new_tokens
+    longest = max(len(turn_prompts(model, t)[i]) for turn in keys for t, i in turn) + new_tokens
     num_blocks = 256
     if pool == "tight":
         num_blocks = ceil_div(longest, block_size)
@@ -163,7 +165,7 @@ def run_cell(feature: str, attention: str, pool: str) -> Run:
         assert engine.cache.dtype == torch.float8_e4m3fn and engine.cache.k.element_size() == 1
     run = Run([], [])
     for turn in keys:
-        batch = [turns(model)[t][i] for t, i in turn]
+        batch = [turn_prompts(model, t)[i] for t, i in turn]
         got = run_to_end(engine, batch, new_tokens, options.get("max_num_batched_tokens"))
         assert got == [list(want(model, t, i, feature == "fp8")[:new_tokens]) for t, i in turn]
         if options.get("enable_prefix_caching"):
