@@ -3,8 +3,11 @@
 Every ``notebooks/[0-9]*.ipynb`` becomes a chapter, in file-name order, and a row of the landing page's
 chapter table (its title is the notebook's first ``# `` heading); ``notebooks/glossary.md`` is the last
 page. The sources are staged in ``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes
-HTML to ``OUT`` (default
-``build/site``, git-ignored like ``build/site-src``); open ``OUT/index.html``."""
+HTML to ``OUT`` (default ``build/site``, git-ignored like ``build/site-src``); open ``OUT/index.html``.
+
+The script deletes and rebuilds ``OUT`` and ``OUT-src`` only if it made them: it leaves a marker file in
+every folder it creates, and refuses (exit 2) a folder that holds anything else. A notebook it cannot read
+stops the build (exit 1) with the file's name, before any folder is touched."""
 
 from __future__ import annotations
 
@@ -13,14 +16,77 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE, NOTEBOOKS = ROOT / "site", ROOT / "notebooks"
+# Written into every folder this script creates; a folder without it is never deleted.
+MARKER = ".made-by-site-build"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 # A widget output needs a kernel; a static page has none (and the notebooks store no widget state).
 LIVE_ONLY = ("<p style='border-left:4px solid #4C72B0;background:#F4F6FA;padding:6px 10px'>"
              "<b>Live widget.</b> This cell's output is an interactive widget driven by Python: it runs in "
              "JupyterLab (<code>make lab</code>), not on this static page.</p>")
+
+
+def fail(message: str, exit_code: int) -> NoReturn:
+    """Stop the build with one line on stderr (no traceback) and ``exit_code``."""
+    print(f"site/build.py: error: {message}", file=sys.stderr)
+    raise SystemExit(exit_code)
+
+
+def read_notebook(path: Path) -> dict:
+    """The notebook at ``path``; a file that is not a notebook stops the build with its name."""
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        fail(f"{path}: not a readable notebook ({error})", 1)
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        fail(f"{path}: not a notebook (no list of 'cells')", 1)
+    for number, cell in enumerate(nb["cells"]):
+        if not isinstance(cell, dict) or not isinstance(cell.get("cell_type"), str):
+            fail(f"{path}: cell {number} has no 'cell_type'", 1)
+        source = cell.get("source")
+        if not isinstance(source, (str, list)) or not all(isinstance(line, str) for line in source):
+            fail(f"{path}: cell {number} has no text 'source'", 1)
+        outputs = cell.get("outputs", [])
+        if not isinstance(outputs, list) or not all(isinstance(output, dict) for output in outputs):
+            fail(f"{path}: cell {number} has 'outputs' that are not a list of objects", 1)
+    return nb
+
+
+def read_chapters(notebooks: Path) -> list[tuple[Path, dict]]:
+    """Every ``[0-9]*.ipynb`` of ``notebooks`` with its content, in file-name order; none is an error."""
+    paths = sorted(notebooks.glob("[0-9]*.ipynb"))
+    if not paths:
+        fail(f"no chapters: {notebooks} holds no notebook named [0-9]*.ipynb", 1)
+    chapters = []
+    for path in paths:
+        nb = read_notebook(path)
+        try:
+            title(nb)
+        except ValueError as error:
+            fail(f"{path}: {error}", 1)
+        chapters.append((path, nb))
+    return chapters
+
+
+def check_replaceable(folder: Path) -> None:
+    """Refuse (exit 2) to replace ``folder`` unless it is absent, empty, or made by this script: the
+    output folder is a command-line argument, and ``python site/build.py notebooks`` must not delete the
+    notebooks."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        fail(f"refusing to replace {folder}: it is not a folder made by site/build.py", 2)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MARKER).is_file():
+        fail(f"refusing to delete {folder}: it holds files and was not made by site/build.py (it has no "
+             f"{MARKER}); give a new or empty folder, or delete it yourself", 2)
+
+
+def fresh_folder(folder: Path) -> None:
+    """Delete ``folder`` (checked by ``check_replaceable``) and create it empty, with the marker."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text("made by site/build.py, which deletes this folder on its next build\n")
 
 
 def title(nb: dict) -> str:
@@ -41,16 +107,15 @@ def static_outputs(nb: dict) -> dict:
     return nb
 
 
-def stage(src: Path) -> list[tuple[str, str]]:
-    """Copy the site sources and every chapter into ``src``; return ``(page name, title)`` per chapter."""
-    shutil.rmtree(src, ignore_errors=True)
-    shutil.copytree(SITE, src, ignore=shutil.ignore_patterns("build.py", "__pycache__"))
+def stage(src: Path, notebooks: list[tuple[Path, dict]]) -> list[tuple[str, str]]:
+    """Copy the site sources and every chapter into the fresh folder ``src``; return ``(page name, title)``
+    per chapter."""
+    shutil.copytree(SITE, src, ignore=shutil.ignore_patterns("build.py", "__pycache__"), dirs_exist_ok=True)
     if (NOTEBOOKS / "images").is_dir():
         shutil.copytree(NOTEBOOKS / "images", src / "images")  # the notebooks link images/...
     shutil.copy(NOTEBOOKS / "glossary.md", src / "glossary.md")  # every chapter links glossary.md
     chapters = []
-    for path in sorted(NOTEBOOKS.glob("[0-9]*.ipynb")):
-        nb = json.loads(path.read_text())
+    for path, nb in notebooks:
         (src / path.name).write_text(json.dumps(static_outputs(nb), ensure_ascii=False))
         chapters.append((path.stem, title(nb)))
     return chapters
@@ -67,15 +132,27 @@ def chapter_table(chapters: list[tuple[str, str]]) -> str:
 
 def main(out: Path) -> None:
     src = out.with_name(out.name + "-src")
-    chapters = stage(src)
+    # Everything is checked before anything is deleted or written.
+    notebooks = read_chapters(NOTEBOOKS)
+    check_replaceable(out)
+    check_replaceable(src)
+    fresh_folder(src)
+    chapters = stage(src, notebooks)
     index = src / "index.md"
     index.write_text(index.read_text().replace("{chapters}", chapter_table(chapters)))
-    shutil.rmtree(out, ignore_errors=True)
+    fresh_folder(out)
     # -W: a warning (a broken link, a missing image) fails the build; -q: only warnings are printed
-    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-E",
-                    str(src), str(out)], check=True)
+    sphinx = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-E",
+                             str(src), str(out)])
+    if sphinx.returncode != 0:
+        fail(f"Sphinx could not build {src} into {out} (its messages are above)", 1)
     print(f"site: {len(chapters)} chapters -> {out / 'index.html'}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "build" / "site")
+    if len(sys.argv) > 2:
+        fail("usage: python site/build.py [OUT] (one output folder, default build/site)", 2)
+    if len(sys.argv) == 2:
+        main(Path(sys.argv[1]).resolve())
+    else:
+        main(ROOT / "build" / "site")

@@ -22,21 +22,30 @@ def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     c.check_invariants()
 
 
-def tiny_llama(seed: int = 0, **overrides):
-    """A seeded random ``transformers.LlamaForCausalLM`` built from a local config (no download), fp32, eval.
+TINY_SIZES = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
-    ``initializer_range=0.25``: with the default 0.02 a random tiny Llama repeats one token forever, and
-    token equality with it would prove little (DESIGN.md)."""
+
+def tiny_hf_model(family: str = "Llama", seed: int = 0, **overrides):
+    """A seeded random transformers ``<family>ForCausalLM`` (``"Llama"``, ``"Mistral"``, ...) of
+    ``TINY_SIZES`` built from a local config (no download), fp32, eval; ``overrides``: config fields.
+
+    ``initializer_range=0.25``: with the default 0.02 a random tiny Llama soon repeats one token forever,
+    and token equality with it would prove little; at 0.25 greedy decoding wanders over the vocabulary."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    sizes = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.25)
+    config_class = getattr(transformers, f"{family}Config")
+    model_class = getattr(transformers, f"{family}ForCausalLM")
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**sizes, **overrides})).eval()
+    return model_class(config_class(**{**TINY_SIZES, "initializer_range": 0.25, **overrides})).eval()
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """``tiny_hf_model("Llama", seed, **overrides)``: the course's oracle model."""
+    return tiny_hf_model("Llama", seed, **overrides)
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -50,6 +59,22 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[in
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+
+
+def hf_generate_batch(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own paged continuous batching (sdpa attention on the CPU), greedy, no EOS stop."""
+    import logging
+
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "eos_token_id not set"
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # explicit sizes: left to infer them on a CPU, it takes ~30 s to set up
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=256, max_batch_tokens=512)
+    out = hf_model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                                  warmup=False)
+    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
 
 
 # the oracle prompts: lengths around block boundaries of block sizes 4, 8 and 16, plus odd ones
@@ -74,6 +99,19 @@ def oracle():
         prompts = oracle_prompts(hf.config.vocab_size)
         _ORACLE["value"] = hf, prompts, [hf_greedy(hf, p, ORACLE_NEW_TOKENS) for p in prompts]
     return _ORACLE["value"]
+
+
+def random_kv(n: int | None, num_layers: int, kv_heads: int, head_dim: int, *, seed: int = 0,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random K and V for ``append_tokens``: ``[num_layers, n, kv_heads, head_dim]`` each, or one
+    token's ``[num_layers, kv_heads, head_dim]`` for ``append_token`` when ``n`` is None."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_layers, kv_heads, head_dim)
+    if n is not None:
+        shape = (num_layers, n, kv_heads, head_dim)
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    return k.to(dtype), v.to(dtype)
 
 
 def filled_cache(lens: list[int], block_size: int, kv_heads: int, head_dim: int,

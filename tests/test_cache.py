@@ -4,8 +4,6 @@ state (tables, lengths, free stack, both pools) exactly as it was."""
 from __future__ import annotations
 
 import pickle
-import sys
-import threading
 import weakref
 
 import numpy as np
@@ -527,66 +525,6 @@ def test_a_cache_pickles_and_deep_copies():
         assert copy.tables == c.tables and torch.equal(copy.gather(0)[0], c.gather(0)[0])
         copy.append_token(0, *kv())  # the copy is independent of the original
         assert c.seq_lens[0] == 5
-
-
-def test_threads_that_serialise_their_calls_never_see_a_half_done_call():
-    """The documented contract: the cache is single-threaded, and callers that share one between threads hold
-    one lock around each call. Two writers (batched decode steps and per-token appends) and a reader calling
-    check_invariants, with the switch interval shrunk so that threads are switched as often as possible."""
-    c, lock = make(64), threading.Lock()
-    for s in range(8):
-        c.add_sequence(s)
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def loop(body) -> None:
-        try:
-            while not stop.is_set():
-                with lock:
-                    body()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    def decode_and_free() -> None:
-        c.append_batch([0, 1, 2, 3], *kv(4))
-        if c.seq_lens[0] >= 5:
-            for s in range(4):
-                c.free_sequence(s)
-                c.add_sequence(s)
-
-    def per_token() -> None:
-        for s in range(4, 8):
-            c.append_token(s, *kv())
-        if c.seq_lens[7] > 3 * BS:
-            for s in range(4, 8):
-                c.free_sequence(s)
-                c.add_sequence(s)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    bodies = (decode_and_free, per_token, c.check_invariants)
-    threads = [threading.Thread(target=loop, args=(f,)) for f in bodies]
-    try:
-        for t in threads:
-            t.start()
-        stop.wait(1.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        sys.setswitchinterval(old)
-    assert errors == []
-    c.check_invariants()
-    assert c.num_used_blocks == sum(ceil_div(n, BS) for n in c.seq_lens.values())
-
-
-def test_the_docstrings_say_the_cache_is_single_threaded():
-    import pagedlib.core.blocks
-    import pagedlib.core.cache
-
-    for doc in (" ".join(m.__doc__.split()) for m in (pagedlib.core.cache, pagedlib.core.blocks)):
-        assert "Single-threaded" in doc or "One thread at a time" in doc
-        assert "serialises the calls" in doc
 
 
 def test_state_diff_names_what_changed():

@@ -11,8 +11,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
 
 import pytest
-import torch
-from helpers import ORACLE_NEW_TOKENS, hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,82 +152,6 @@ def test_latencies_in_steps_and_in_modelled_seconds():
 
 # ------------------------------------------------------------------------------------------------------
 # the engine, against transformers
-
-
-def run_steps(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Step to the end, checking each step: the budget holds, every running request's cache holds its
-    tokens but the last sampled (or, mid-prefill, a prefix of its prompt)."""
-    ids = [engine.add_request(p, new_tokens) for p in prompts]
-    budget = engine.scheduler.max_num_batched_tokens
-    while engine.has_unfinished():
-        s, before = engine.stats, engine.stats.prefill_tokens + engine.stats.decode_tokens
-        engine.step()
-        engine.cache.check_invariants()
-        assert s.prefill_tokens + s.decode_tokens - before <= budget             # computed, not found
-        for r in engine.scheduler.running:
-            assert engine.cache.seq_lens[r.req_id] <= len(engine.tokens[r.req_id]) - 1 or \
-                len(engine.tokens[r.req_id]) == r.prompt_len
-    return [engine.output(i) for i in ids]
-
-
-@pytest.mark.parametrize("block_size, budget, cap", [
-    (8, 64, 8),      # every chunk one block: prompts split on block boundaries
-    (4, 27, 5),      # chunks of 5 over blocks of 4: splits mid-block
-    (16, 7, None),   # a budget smaller than the batch: decodes wait their turn too
-])
-def test_chunked_engine_equals_hf_on_every_oracle_prompt(ref, model, block_size, budget, cap):
-    _, prompts, outs = ref
-    engine = Engine(model, num_blocks=256, block_size=block_size, max_num_batched_tokens=budget,
-                    long_prefill_token_threshold=cap)
-    assert run_steps(engine, prompts, ORACLE_NEW_TOKENS) == [t for t, _ in outs]
-    assert engine.stats.prefill_tokens == sum(map(len, prompts))
-    assert engine.cache.num_free_blocks == 256
-
-
-def test_from_hf_takes_the_token_budget(ref):
-    hf, prompts, outs = ref
-    engine = Engine.from_hf(hf, num_blocks=64, block_size=8, max_num_batched_tokens=8)
-    assert engine.generate(prompts[8:12], 5) == [t[:5] for t, _ in outs[8:12]]
-    assert engine.scheduler.max_num_batched_tokens == 8 and engine.stats.steps > 5
-
-
-@pytest.mark.parametrize("num_blocks, block_size, budget", [(12, 8, 20), (30, 4, 9)])
-def test_chunked_engine_in_a_tight_pool_preempts_and_equals_hf(ref, model, num_blocks, block_size, budget):
-    _, prompts, outs = ref
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget)
-    assert run_steps(engine, prompts, ORACLE_NEW_TOKENS) == [t for t, _ in outs]
-    assert engine.stats.preemptions > 0 and engine.stats.prefill_tokens > sum(map(len, prompts))
-    assert engine.cache.num_free_blocks == num_blocks
-
-
-@pytest.fixture(scope="module")
-def shared(ref):
-    """Prompts sharing prefixes of a 48-token text (ending on and off block boundaries), HF's tokens."""
-    g = torch.Generator().manual_seed(7)
-    text = torch.randint(0, 200, (48,), generator=g).tolist()
-    prompts = [text[:n] + torch.randint(0, 200, (m,), generator=g).tolist()
-               for n, m in [(48, 1), (47, 2), (32, 0), (33, 15), (16, 16), (48, 16), (0, 9), (40, 24)]]
-    return prompts, [hf_greedy(ref[0], p, 16)[0] for p in prompts]
-
-
-@pytest.mark.parametrize("num_blocks, budget, cap", [(256, 40, 12), (14, 24, None)])
-def test_chunked_engine_with_prefix_caching_equals_hf(model, shared, num_blocks, budget, cap):
-    """Chunks register their full blocks as they go, so a later request finds them; a tight pool also
-    preempts. The tokens are transformers' either way, and the cache hits count."""
-    prompts, want = shared
-    engine = Engine(model, num_blocks=num_blocks, block_size=8, enable_prefix_caching=True, max_num_seqs=3,
-                    max_num_batched_tokens=budget, long_prefill_token_threshold=cap)
-    assert run_steps(engine, prompts, 16) == want
-    assert engine.stats.cached_tokens > 0
-    assert engine.cache.num_free_blocks == num_blocks
-
-
-def test_chunked_engine_with_the_triton_kernel_in_the_interpreter(ref, model):
-    pytest.importorskip("triton", reason="Triton ships Linux wheels only")
-    _, prompts, outs = ref
-    few = [2, 6, 11]                                                      # 3, 8 and 17 tokens
-    engine = Engine(model, num_blocks=16, block_size=4, attention="triton", max_num_batched_tokens=6)
-    assert engine.generate([prompts[i] for i in few], 5) == [outs[i][0][:5] for i in few]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-import torch
+from helpers import random_kv
 from matplotlib.colors import to_hex
 from matplotlib.patches import Rectangle
 
@@ -16,14 +16,10 @@ from pagedlib.teach import plots
 from pagedlib.teach.colors import CACHED_COLOR, OWNER_COLORS
 
 
-def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(1, n, 1, 2), torch.zeros(1, n, 1, 2)
-
-
 def forked() -> PagedKVCache:
     cache = PagedKVCache(num_blocks=8, num_layers=1, block_size=4, kv_heads=1, head_dim=2, free_order=[5, 2])
     cache.add_sequence("parent")
-    cache.append_tokens("parent", *kv(6))
+    cache.append_tokens("parent", *random_kv(6, 1, 1, 2))
     cache.fork("parent", "child")
     return cache
 
@@ -82,7 +78,7 @@ def test_cached_free_blocks_are_labelled_by_eviction_order_and_legended_only_whe
                          enable_prefix_caching=True)
     assert not any("cached" in s for s in legend_labels(plots.plot_block_pool(cache)))
     cache.add_sequence(0, [1, 2, 3, 4, 5])
-    cache.append_tokens(0, *kv(5), token_ids=[1, 2, 3, 4, 5])
+    cache.append_tokens(0, *random_kv(5, 1, 1, 2), token_ids=[1, 2, 3, 4, 5])
     cache.free_sequence(0)  # blocks holding [1, 2] and [3, 4] stay findable; [5] goes back on the stack
     queue = list(cache.prefix_cache.free_queue)
     fig = plots.plot_block_pool(cache)

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_unchanged, snapshot, tiny_llama
+from helpers import assert_unchanged, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
@@ -240,19 +240,3 @@ def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
     cache.check_invariants()
 
 
-def test_model_and_engine_on_an_fp8_cache():
-    from pagedlib.engine import Engine
-    from pagedlib.model import PagedLlama
-
-    model = PagedLlama.from_hf(tiny_llama())
-    prompts = [[1, 5, 9, 2], [7, 7, 3]]
-    outs = {}
-    for attention in ("torch", "triton"):
-        engine = Engine(model, num_blocks=32, block_size=4, attention=attention, kv_cache_dtype=E4M3)
-        assert engine.cache.dtype == E4M3 and engine.cache.k.element_size() == 1
-        outs[attention] = engine.generate(prompts, max_new_tokens=6)
-    assert outs["torch"] == outs["triton"]  # both read the same bytes, dequantized exactly
-    chunked = Engine(model, num_blocks=32, block_size=4, kv_cache_dtype=E4M3, max_num_batched_tokens=3)
-    assert chunked.generate(prompts, max_new_tokens=6) == outs["torch"]  # prompts in chunks (notebook 09)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
-        Engine(model, num_blocks=8, kv_cache_dtype=torch.float64)

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import test_cache_stateful as stateful
 import torch
-from helpers import assert_unchanged, hf_greedy, snapshot
+from helpers import assert_unchanged, snapshot
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
@@ -169,58 +169,6 @@ def test_the_tree_is_ahead_where_prompts_diverge_inside_a_block():
 
 # ------------------------------------------------------------------------------------------------------
 # end to end: the engine with the tree generates what transformers generates
-
-NEW = 12  # new tokens per turn
-
-
-def run_rounds(engine: Engine, hf, rounds: list) -> None:
-    """Each round: a list of prompts, or a function of the last round's prompts and outputs giving them;
-    every request is stepped by hand, each step checked, its tokens compared with transformers'."""
-    prompts, outs = [], []
-    for make in rounds:
-        prompts = make(prompts, outs) if callable(make) else make
-        ids = [engine.add_request(p, NEW) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-            engine.cache.check_invariants()
-        outs = [engine.output(i) for i in ids]
-        assert outs == [hf_greedy(hf, p, NEW)[0] for p in prompts]
-
-
-def _random(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("num_blocks, block_size", [(256, 8), (14, 8), (20, 4)])
-def test_engine_with_the_tree_equals_hf_multi_turn(ref, model, num_blocks, block_size):
-    """Three conversations, three turns: each turn resends the conversation so far and a new message. In
-    the small pools requests are preempted and recomputed, finding what the tree kept."""
-    engine = Engine(model, num_blocks, block_size, enable_prefix_caching=True, prefix_cache="radix")
-    turn = lambda ps, outs: [p + o + _random(5 + i, 10 + len(p)) for i, (p, o) in enumerate(zip(ps, outs))]
-    run_rounds(engine, ref[0], [[_random(n, n) for n in (9, 17, 26)], turn, turn])
-    s = engine.stats
-    assert s.cached_tokens > 0 and (s.preemptions > 0) == (num_blocks < 256)
-    assert engine.cache.num_free_blocks == num_blocks
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("num_blocks, block_size, budget",
-                         [(256, 8, None), (12, 8, None), (256, 8, 7), (12, 8, 5)])
-def test_engine_with_the_tree_equals_hf_on_branches_inside_a_block(ref, model, num_blocks, block_size,
-                                                                   budget):
-    """A 21-token stem, then five branches that leave it inside its third block of 8: each finds the 16
-    tokens of two blocks and 5 more in a copy of the third (21 a branch, unless preempted). With a token
-    budget (notebook 09) the prefill after the copied tokens starts mid-block and runs in chunks."""
-    stem = _random(21, 3)
-    engine = Engine(model, num_blocks, block_size, enable_prefix_caching=True, prefix_cache="radix",
-                    max_num_batched_tokens=budget)
-    branches = [stem + _random(3 + i, 20 + i) for i in range(5)]
-    run_rounds(engine, ref[0], [[stem], branches])
-    assert engine.stats.cached_tokens % block_size and (engine.stats.preemptions > 0) == (num_blocks < 256)
-    if num_blocks == 256:
-        assert engine.stats.cached_tokens == 5 * 21
-
 
 def test_engine_refuses_an_unknown_design_and_from_hf_passes_it_on(ref, model):
     with pytest.raises(ValueError, match="prefix_cache must be 'hash' or 'radix'"):

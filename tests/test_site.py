@@ -82,13 +82,87 @@ def test_player_refuses_bad_arguments(kwargs, message):
         Player(**kwargs)
 
 
+# --- the builder refuses before it deletes or writes anything ---------------------------------------
+
+def _build(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python site/build.py ARGS`` of the checkout (or copy of one) at ``repo``."""
+    return subprocess.run([sys.executable, str(repo / "site" / "build.py"), *args], capture_output=True,
+                          text=True, cwd=repo, timeout=120)
+
+
+def _repo_copy(tmp_path: Path, notebooks: dict[str, str] | None) -> Path:
+    """A copy of ``site/`` beside a ``notebooks/`` folder holding ``notebooks`` (name -> file text;
+    ``None``: no notebooks folder at all)."""
+    repo = tmp_path / "repo"
+    (repo / "site").mkdir(parents=True)
+    (repo / "site" / "build.py").write_text((ROOT / "site" / "build.py").read_text())
+    if notebooks is not None:
+        (repo / "notebooks").mkdir()
+        for name, text in notebooks.items():
+            (repo / "notebooks" / name).write_text(text)
+    return repo
+
+
+@pytest.mark.parametrize("victim", ["out", "out-src"])
+def test_builder_refuses_to_delete_a_folder_it_did_not_make(tmp_path, victim):
+    (tmp_path / victim).mkdir()
+    (tmp_path / victim / "thesis.ipynb").write_text("{}")
+    result = _build(ROOT, str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    assert f"refusing to delete {tmp_path / victim}" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / victim / "thesis.ipynb").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [victim], "nothing else was created"
+
+
+def test_builder_refuses_a_file_as_its_output_folder(tmp_path):
+    (tmp_path / "out").write_text("mine")
+    result = _build(ROOT, str(tmp_path / "out"))
+    assert result.returncode == 2 and f"refusing to replace {tmp_path / 'out'}" in result.stderr
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+TITLED = json.dumps({"cells": [{"cell_type": "markdown", "source": ["# 01 · A title"], "metadata": {}}]})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not a readable notebook"),
+    ("{}", "not a notebook (no list of 'cells')"),
+    ("[1, 2]", "not a notebook (no list of 'cells')"),
+    (json.dumps({"cells": [3]}), "cell 0 has no 'cell_type'"),
+    (json.dumps({"cells": [{"cell_type": "code", "source": [1]}]}), "cell 0 has no text 'source'"),
+    (json.dumps({"cells": [{"cell_type": "code", "source": "", "outputs": [1]}]}), "cell 0 has 'outputs'"),
+    (json.dumps({"cells": [{"cell_type": "markdown", "source": "no"}]}), "a chapter needs a '# ' title"),
+], ids=["json", "no-cells", "a-list", "cell", "source", "outputs", "title"])
+def test_builder_names_the_notebook_it_cannot_read(tmp_path, text, message):
+    repo = _repo_copy(tmp_path, {"01_good.ipynb": TITLED, "02_bad.ipynb": text})
+    result = _build(repo, str(tmp_path / "out"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{repo / 'notebooks' / '02_bad.ipynb'}: " in result.stderr and message in result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out-src").exists()
+
+
+@pytest.mark.parametrize("notebooks", [None, {}, {"notes.ipynb": TITLED}],
+                         ids=["no-folder", "empty", "unnumbered"])
+def test_builder_with_no_chapters_is_an_error(tmp_path, notebooks):
+    repo = _repo_copy(tmp_path, notebooks)
+    result = _build(repo, str(tmp_path / "out"))
+    assert result.returncode == 1 and "no chapters" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # --- the built site --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The site, built by ``site/build.py`` from the committed notebooks (~15 s)."""
+    """The site, built by ``site/build.py`` from the committed notebooks (~15 s) into the folder of an
+    earlier build: the builder replaces a folder it made (it left its marker there)."""
     out = tmp_path_factory.mktemp("site") / "html"
-    subprocess.run([sys.executable, str(ROOT / "site" / "build.py"), str(out)], check=True, cwd=ROOT)
+    out.mkdir()
+    (out / ".made-by-site-build").write_text("")
+    (out / "stale.html").write_text("from an earlier build")
+    result = _build(ROOT, str(out))
+    assert result.returncode == 0, result.stderr
+    assert not (out / "stale.html").exists(), "the earlier build's pages are gone"
     return out
 
 

@@ -30,9 +30,13 @@ import torch
 from pagedlib.bench.timing import (
     DTYPES,
     add_run_arguments,
+    check_fits,
     default_device,
     environment,
+    int_list,
+    non_negative_int,
     num_threads,
+    positive_int,
     print_table,
     time_fn,
     write_json,
@@ -45,14 +49,29 @@ COLUMNS = ["phase", "method", "tokens", "us_per_call", "tokens_per_s", "GB_per_s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--batches", default="1,4,16,64,256", help="decode batch sizes, comma-separated")
-    p.add_argument("--prompt", type=int, default=512, help="prefill length in tokens (0 to skip)")
+    p.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 256],
+                   help="decode batch sizes, comma-separated")
+    p.add_argument("--prompt", type=non_negative_int, default=512,
+                   help="prefill length in tokens (0 to skip)")
     add_run_arguments(p, repeats=20, repeats_help="timed calls per measurement")
+    p.set_defaults(usage_error=p.error)  # for main: a run too large for the machine is a usage error too
+
+
+def peak_bytes(args: argparse.Namespace) -> int:
+    """About the most memory the run holds at once, from the flags alone (an upper bound)."""
+    token_bytes = 2 * args.layers * args.kv_heads * args.head_dim * DTYPES[args.dtype].itemsize  # K and V
+    steps = 3 + args.repeats  # warm-up and timed decode steps
+    # decode: two pools (the next is built before the last is freed), rounded up to whole blocks, and the
+    # contiguous yardstick; each sequence starts at up to 2 blocks of tokens
+    decode_tokens = 3 * max(args.batches) * (3 * args.block_size + steps)
+    # prefill: the prompt's pool, its K/V, the contiguous yardstick and the two buffers of copy_
+    prefill_tokens = 5 * (args.prompt + args.block_size)
+    return max(decode_tokens, prefill_tokens) * token_bytes
 
 def _rows(phase: str, tokens: int, nbytes: int, times: dict[str, float]) -> list[dict[str, Any]]:
     return [{"phase": phase, "method": method, "tokens": tokens, "us_per_call": t * 1e6,
@@ -181,9 +200,13 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    batches = tuple(int(b) for b in args.batches.split(",") if b)
+    usage_error = vars(args).pop("usage_error")
+    device = default_device(args.device)
+    check_fits(peak_bytes(args), "this run (--batches, --prompt, --layers, --kv-heads, --head-dim)", device,
+               usage_error)
+    batches = tuple(args.batches)
     result = run(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                 block_size=args.block_size, dtype=DTYPES[args.dtype], device=args.device, batches=batches,
+                 block_size=args.block_size, dtype=DTYPES[args.dtype], device=device, batches=batches,
                  prompt=args.prompt, repeats=args.repeats, threads=args.threads)
     c = result["config"]
     title = (f"KV-cache writes: layers={c['layers']} kv_heads={c['kv_heads']} head_dim={c['head_dim']} "

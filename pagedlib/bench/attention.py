@@ -33,6 +33,7 @@ from pagedlib.bench.timing import (
     DTYPES,
     Timing,
     add_run_arguments,
+    check_fits,
     default_device,
     environment,
     int_list,
@@ -235,6 +236,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(usage_error=parser.error)  # for main: combinations are usage errors too
 
 
+def point_bytes(cfg: AttentionConfig, chunk: int) -> int:
+    """About the most memory one benchmark point holds at once (an upper bound): the pool, the contiguous
+    copy of K and V, the gathered K and V of one call and the mask of a mixed step's chunk."""
+    token_bytes = 2 * cfg.kv_heads * cfg.head_dim * DTYPES[cfg.dtype].itemsize  # K and V of one token
+    padded = ceil_div(cfg.context, cfg.block_size) * cfg.block_size
+    return 4 * cfg.batch * padded * token_bytes + chunk * cfg.context
+
+
+def peak_bytes(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], chunks: list[int],
+               sweeps: bool) -> int:
+    """The largest ``point_bytes`` of the run ``run(cfg, ...)`` would make."""
+    points = [point_bytes(cfg, max(chunks))]
+    if sweeps:
+        points += [point_bytes(replace(cfg, block_size=size), 0) for size in block_sizes]
+        points += [point_bytes(replace(cfg, context=context), 0) for context in contexts]
+    return max(points)
+
+
 def main(args: argparse.Namespace) -> int:
     usage_error = vars(args).pop("usage_error")
     if args.q_heads % args.kv_heads:
@@ -244,6 +263,10 @@ def main(args: argparse.Namespace) -> int:
                     f"{max(args.chunks)}")
     cfg = AttentionConfig(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
                           args.block_size, args.dtype, default_device(args.device))
+    chunks = args.chunks or [args.context]
+    check_fits(peak_bytes(cfg, args.block_sizes, args.contexts, chunks, not args.no_sweeps),
+               "this run (--batch, --context, --contexts, --block-sizes, --kv-heads, --head-dim)", cfg.device,
+               usage_error)
     with num_threads(args.threads):
         result = run(cfg, args.block_sizes, args.contexts, args.repeats, sweeps=not args.no_sweeps,
                      chunks=args.chunks)

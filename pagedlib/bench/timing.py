@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -128,6 +129,25 @@ def positive_float(text: str) -> float:
 def int_list(text: str) -> list[int]:
     """argparse ``type=``: comma-separated integers >= 1 (``1,4,16``)."""
     return [positive_int(part) for part in text.split(",")]
+
+
+def memory_bytes(device: str) -> int:
+    """The memory a benchmark on ``device`` can fill: the GPU's, or the machine's RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): let the allocator decide
+        return 2**63
+
+
+def check_fits(nbytes: int, what: str, device: str, usage_error: Callable[[str], Any]) -> None:
+    """A usage error (exit 2) before anything is allocated if ``what`` needs more than ``device`` has:
+    a typo such as ``--context 2000000000`` should not end in a ``MemoryError`` minutes later."""
+    available = memory_bytes(device)
+    if nbytes > available:
+        usage_error(f"{what} needs about {nbytes / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} "
+                    f"GiB of {device} memory")
 
 
 def writable_path(text: str) -> str:
