@@ -86,9 +86,14 @@ def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], att
     return seq_ids, prompts
 
 
-def check_kv_cache_dtype(dtype: object) -> torch.dtype | None:
-    refuse((dtype is not None and dtype not in FP8_DTYPES, f"kv_cache_dtype must be None (the model's dtype) "
-                                                          f"or one of {FP8_DTYPES}, got {dtype!r}"))
+def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """``kv_cache_dtype`` as ``PagedLlama.new_cache`` takes it: ``None`` for ``None`` or the model's own
+    dtype (no quantization), else an fp8 format."""
+    if dtype is None or dtype is model_dtype:  # torch dtypes are singletons
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in FP8_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be None or the model's dtype {model_dtype} (no quantization), "
+                         f"or one of {FP8_DTYPES}, got {dtype!r}")
     return dtype
 
 

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from pagedlib.core._checks import scales
+from pagedlib.core import fp8
 from pagedlib.core.fp8 import FP8_DTYPES
 from pagedlib.util import as_int, refuse
 
@@ -186,10 +186,19 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 
 def check_scales(k_cache: torch.Tensor, k_scale: object, v_scale: object) -> tuple:
-    """The scales as ``PagedKVCache`` holds them (``core/_checks.scales``); 1.0 for a cache not in fp8."""
+    """The scales as ``PagedKVCache`` holds them (``fp8.check_scales``); 1.0 for a cache not in fp8, which
+    takes no other (``None`` means 1.0)."""
     if k_cache.dtype in FP8_DTYPES:
-        return scales(k_scale, v_scale, k_cache.dtype, k_cache.shape[2], k_cache.device)
-    refuse(*((not isinstance(s, numbers.Real) or s != 1, f"{n} applies to a float8 cache only, got {s!r} for "
-                                                          f"a {k_cache.dtype} cache")
-             for n, s in (("k_scale", k_scale), ("v_scale", v_scale))))
+        return fp8.check_scales(k_scale, v_scale, k_cache.dtype, k_cache.shape[2], k_cache.device)
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not _is_one(scale):
+            raise ValueError(f"{name} applies to a float8 cache only, got {scale!r} for a {k_cache.dtype} "
+                             "cache")
     return 1.0, 1.0
+
+
+def _is_one(scale: object) -> bool:
+    """``None`` or a number equal to 1 (not a bool): the scale of a cache that is not in fp8."""
+    if scale is None:
+        return True
+    return isinstance(scale, numbers.Real) and not isinstance(scale, bool) and scale == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedlib.core.fp8 import dequantize, per_head
+from pagedlib.core.fp8 import per_head
 from pagedlib.kernels import _checks
 from pagedlib.kernels._checks import check_paged_inputs, check_scales
 from pagedlib.util import as_int, ceil_div
@@ -106,12 +106,15 @@ def attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     n = max(lens)                                       # every sequence is padded to the longest
     n_blocks = ceil_div(n, block_size)
 
-    # 1. gather whole blocks, in float32 (an fp8 cache times its scales). Table entries past a sequence's
-    #    last block (-1 padding) become block 0: gathered like the others, then masked.
+    # 1. gather whole blocks, in float32 (an fp8 cache times its scales, checked by the caller). Table
+    #    entries past a sequence's last block (-1 padding) become block 0: gathered like the others, then
+    #    masked.
     used = torch.arange(n_blocks, device=q.device) * block_size < seq_lens[:, None]  # [c, n_blocks]
     ids = torch.where(used, tables[:, :n_blocks], 0).long()                        # [c, n_blocks]
-    k = dequantize(_gather(k_cache, ids, n), k_scale).transpose(1, 2)             # [c, kv_heads, n, D]
-    v = dequantize(_gather(v_cache, ids, n), v_scale).transpose(1, 2)
+    k = _gather(k_cache, ids, n).float() * per_head(k_scale)                       # [c, n, kv_heads, D]
+    v = _gather(v_cache, ids, n).float() * per_head(v_scale)
+    k = k.transpose(1, 2)                                                          # [c, kv_heads, n, D]
+    v = v.transpose(1, 2)
 
     # 2. scores with grouped heads: the `group` query heads of a KV head are rows of one matrix
     qg = q.reshape(c, kv_heads, q_heads // kv_heads, head_dim).float() * scale    # [c, kv_heads, group, D]
@@ -171,8 +174,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale, (k_scale, v_scale) = softmax_scale(q.shape[2], scale), check_scales(k_cache, k_scale, v_scale)
     ids = block_table[None, : ceil_div(seq_len, k_cache.shape[1])].long()     # [1, n_blocks]
     # 4-D [1, heads, tokens, D] views: SDPA's fused CPU kernel takes 4-D inputs only
-    k = dequantize(_gather(k_cache, ids, seq_len), k_scale, q.dtype).transpose(1, 2)  # [1, kv_heads, len, D]
-    v = dequantize(_gather(v_cache, ids, seq_len), v_scale, q.dtype).transpose(1, 2)
+    k = (_gather(k_cache, ids, seq_len).float() * per_head(k_scale)).to(q.dtype)  # [1, len, kv_heads, D]
+    v = (_gather(v_cache, ids, seq_len).float() * per_head(v_scale)).to(q.dtype)
+    k = k.transpose(1, 2)                                                      # [1, kv_heads, len, D]
+    v = v.transpose(1, 2)
     qh = q.transpose(0, 1)[None]                                               # [1, q_heads, n, D]
     pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]        # [n, 1] query positions
     mask = None if n == seq_len else torch.arange(seq_len, device=q.device) <= pos  # [n, seq_len]

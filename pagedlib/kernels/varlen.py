@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedlib.core.fp8 import FP8_DTYPES, dequantize, per_head
+from pagedlib.core.fp8 import FP8_DTYPES, per_head
 from pagedlib.kernels._checks import check_scales, check_varlen_inputs
 from pagedlib.kernels.attention import default_chunk_bytes, softmax_scale
 from pagedlib.util import ceil_div
@@ -120,7 +120,8 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (T, q_heads, head_dim), c, kv = q.shape, p.seqs, []
     for cache, s in ((k_cache, k_scale), (v_cache, v_scale)):
         x = cache.index_select(0, p.blocks)                                     # [c * n_blocks, bs, H, D]
-        x = dequantize(x, s, q.dtype) if cache.dtype in FP8_DTYPES else x
+        if cache.dtype in FP8_DTYPES:  # times its scale (checked by the caller), in q's dtype
+            x = (x.float() * per_head(s)).to(q.dtype)
         x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
         kv.append(x.view(c, -1, *x.shape[2:])[:, :p.n].transpose(1, 2))        # [c, H, n, D]: a view
     qp = q.view(c, -1, q_heads, head_dim) if p.scatter is None else \
