@@ -32,7 +32,9 @@ def softmax_scale(head_dim: int, scale: object = None) -> float:
 
 def kv_bytes(seq_lens: torch.Tensor | list[int], kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of K and V one decode step must read, ``2 * sum(seq_lens) * kv_heads * head_dim * itemsize``."""
-    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
+    lens = seq_lens
+    if isinstance(seq_lens, torch.Tensor):
+        lens = seq_lens.tolist()
     tokens = sum(as_int(f"seq_lens[{i}]", n, minimum=0) for i, n in enumerate(lens))
     kv_heads = as_int("kv_heads", kv_heads, minimum=1)
     head_dim = as_int("head_dim", head_dim, minimum=1)
@@ -155,7 +157,9 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, n_tokens: int) -> torch.Tens
 def default_chunk_bytes(device: torch.device) -> int:
     """0 on a CPU (one sequence per chunk: its copy is still in the processor's cache for the matmuls, and
     nothing is padded); ``GPU_CHUNK_BYTES`` (64 MiB) elsewhere: few launches, bounded memory."""
-    return 0 if device.type == "cpu" else GPU_CHUNK_BYTES
+    if device.type == "cpu":
+        return 0
+    return GPU_CHUNK_BYTES
 
 
 def plan_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int,

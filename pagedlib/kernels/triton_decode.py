@@ -162,8 +162,11 @@ def kernel_config(head_dim: int, group: int) -> dict[str, int]:
     """Compile-time sizes: padded tile shapes, and ``TILE`` tokens per loop step (a K tile of 8 KiB in
     fp16 at head_dim 128; at least 16, the reduction dimension of ``p @ v`` on tensor cores)."""
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    tile = 32
+    if head_dim_p > 128:
+        tile = 16
     return {"GROUP": group, "GROUP_P": triton.next_power_of_2(group), "HEAD_DIM": head_dim,
-            "HEAD_DIM_P": head_dim_p, "TILE": 32 if head_dim_p <= 128 else 16}
+            "HEAD_DIM_P": head_dim_p, "TILE": tile}
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, *,
@@ -171,15 +174,19 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int
     """Partitions of each sequence's context (split-K / flash-decoding): enough for ``batch * kv_heads *
     splits`` programs to cover about two waves of SMs, no split under ``min_tokens_per_split`` tokens
     (shorter ones cost more to merge than they save), at most ``max_splits``."""
-    batch, kv_heads, max_context, sm_count = (as_int(name, value, minimum=1) for name, value in (
-        ("batch", batch), ("kv_heads", kv_heads), ("max_context", max_context), ("sm_count", sm_count)))
+    batch = as_int("batch", batch, minimum=1)
+    kv_heads = as_int("kv_heads", kv_heads, minimum=1)
+    max_context = as_int("max_context", max_context, minimum=1)
+    sm_count = as_int("sm_count", sm_count, minimum=1)
     wanted = math.ceil(2 * sm_count / (batch * kv_heads))
     return max(1, min(wanted, max_context // min_tokens_per_split, max_splits))
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device``, else 1 (the interpreter runs one program at a time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_options(q: torch.Tensor, k_cache: torch.Tensor, dot_fp32: bool | None) -> dict[str, object]:
