@@ -97,7 +97,8 @@ def _find_sequence(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     hi = num_seqs
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        if _first_block(tl.load(qsl_ptr + mid), mid, BLOCK_Q) <= q_block:
+        start = tl.load(qsl_ptr + mid)
+        if _first_block(start, mid, BLOCK_Q) <= q_block:
             lo = mid
         else:
             hi = mid
