@@ -225,6 +225,10 @@ def test_scales_belong_to_fp8_caches_only():
     lens = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="k_scale applies to a float8 cache only"):
         paged_attention(q, *cache.layer(0), tables, lens, k_scale=0.5)
+    with pytest.raises(ValueError, match="v_scale applies to a float8 cache only, got True"):
+        paged_attention(q, *cache.layer(0), tables, lens, v_scale=True)  # a bool is not the number 1
+    plain = paged_attention(q, *cache.layer(0), tables, lens)
+    assert torch.equal(paged_attention(q, *cache.layer(0), tables, lens, k_scale=None, v_scale=None), plain)
 
 
 def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
