@@ -352,3 +352,22 @@ def test_engine_takes_the_models_own_dtype_as_no_quantization():
     assert same.generate([[1, 5, 9, 2]], max_new_tokens=4) == plain.generate([[1, 5, 9, 2]], max_new_tokens=4)
     with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
         Engine(model, num_blocks=8, kv_cache_dtype=torch.float16)  # another dtype than the model's own
+
+
+def test_a_huge_scale_tensor_is_refused_in_bounded_memory():
+    """A per-head scale of 10**8 entries for a 1-D ``x`` (no heads): refused without a list of its values."""
+    import subprocess
+    import sys
+
+    code = ("import resource, torch\n"
+            "from pagedlib.core.fp8 import quantize\n"
+            "scale = torch.ones(10**8)  # 400 MB; a list of its values would take 3 GB more\n"
+            "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+            "hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, hard))  # 1 GiB more at most\n"
+            "try:\n"
+            "    quantize(torch.ones(8), scale, torch.float8_e4m3fn)\n"
+            "except ValueError as e:\n"
+            "    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "refused: a per-head scale needs x of shape" in proc.stdout, proc.stderr[-2000:]
