@@ -371,3 +371,10 @@ def test_a_huge_scale_tensor_is_refused_in_bounded_memory():
             "    print('refused:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "refused: a per-head scale needs x of shape" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_cache_keeps_its_own_copy_of_a_scale_tensor():
+    scale = torch.tensor([0.5, 0.25])
+    cache = PagedKVCache(4, 1, 4, 2, 8, dtype=E4M3, k_scale=scale, v_scale=scale)
+    scale[0] = 100.0  # the caller reuses its tensor: the bytes already written keep their meaning
+    assert cache.k_scale.tolist() == [0.5, 0.25] and cache.pool.k_scale.tolist() == [0.5, 0.25]

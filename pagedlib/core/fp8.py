@@ -69,7 +69,7 @@ def check_scale(name: str, scale: object, kv_heads: int | None = None,
     values = _scale_values(name, scale, kv_heads)            # a checked tensor, [] or [kv_heads]
     if values.dim() == 0:
         return float(values)
-    return values.to(device=device, dtype=torch.float32)
+    return values.to(device=device, dtype=torch.float32, copy=True)  # its own: the caller may change theirs
 
 
 def check_scales(k_scale: object, v_scale: object, dtype: torch.dtype, kv_heads: int,
