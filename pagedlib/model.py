@@ -233,7 +233,7 @@ class PagedLlama(nn.Module):
                   prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
         1.0) and device."""
-        s, dtype = self.shape, checks.check_kv_cache_dtype(kv_cache_dtype) or self.dtype
+        s, dtype = self.shape, checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype) or self.dtype
         return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
                             dtype=dtype, device=self.device, enable_prefix_caching=enable_prefix_caching,
                             prefix_cache=prefix_cache)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, snapshot, tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
@@ -224,6 +225,10 @@ def test_scales_belong_to_fp8_caches_only():
     lens = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="k_scale applies to a float8 cache only"):
         paged_attention(q, *cache.layer(0), tables, lens, k_scale=0.5)
+    with pytest.raises(ValueError, match="v_scale applies to a float8 cache only, got True"):
+        paged_attention(q, *cache.layer(0), tables, lens, v_scale=True)  # a bool is not the number 1
+    plain = paged_attention(q, *cache.layer(0), tables, lens)
+    assert torch.equal(paged_attention(q, *cache.layer(0), tables, lens, k_scale=None, v_scale=None), plain)
 
 
 def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
@@ -240,3 +245,118 @@ def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("x", [[1e4, math.nan, 1.0], [1e4, math.inf, 1.0], [-math.inf, 0.0, 1.0]],
+                         ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_kv_scale_refuses_nan_and_inf(x, per_head):
+    """A NaN among the values was skipped (scale 1.0: everything above 448 saturated); an inf gave inf."""
+    data = torch.tensor(x)[:, None, None].expand(3, 2, 4)  # [n, kv_heads=2, head_dim=4]
+    with pytest.raises(ValueError, match="x must hold finite values"):
+        kv_scale(data, E4M3, per_head)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(0, 2, 4), torch.ones(4), torch.ones(3, 2, 4, dtype=torch.int32),
+                                 [[1.0]]], ids=["empty", "1-d", "int", "list"])
+def test_kv_scale_refuses_what_is_not_k_or_v(bad):
+    with pytest.raises(ValueError, match="x must be a non-empty floating tensor"):
+        kv_scale(bad, E4M3)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        kv_scale(torch.ones(3, 2, 4), torch.float16)
+
+
+def test_kv_scale_of_tiny_values_stays_positive():
+    tiny = torch.full((2, 2, 4), 1e-44)  # a subnormal amax: amax / 448 rounds to 0 in float32
+    assert kv_scale(tiny, E4M3) > 0 and bool((kv_scale(tiny, E4M3, True) > 0).all())
+
+
+# numbers, numpy scalars, 0-d tensors and arrays: one scale; 1-D tensors and arrays of kv_heads: one per head
+GOOD_SCALES = {"int": 2, "float": 2.0, "np.float32": np.float32(2.0), "np.int64": np.int64(2),
+               "0-d tensor": torch.tensor(2.0), "0-d array": np.array(2.0),
+               "tensor": torch.tensor([0.5, 0.25]), "array": np.array([0.5, 0.25]),
+               "float16 tensor": torch.tensor([0.5, 0.25], dtype=torch.float16)}
+BAD_SCALES = {"bool": True, "np.bool_": np.bool_(True), "bool tensor": torch.tensor([True, True]),
+              "0-d bool tensor": torch.tensor(True), "zero": 0, "negative": -1, "nan": math.nan,
+              "inf": math.inf, "np nan": np.float32("nan"), "nan in tensor": torch.tensor([1.0, math.nan]),
+              "zero in array": np.array([1.0, 0.0]), "3 heads": torch.ones(3), "empty": torch.ones(0),
+              "2-d": torch.ones(2, 1), "string": "1", "complex": 1j, "list": [0.5, 0.25],
+              "object array": np.array([None, None])}
+
+
+@pytest.mark.parametrize("good", GOOD_SCALES.values(), ids=GOOD_SCALES.keys())
+def test_scales_accepted_alike_everywhere(good):
+    """The cache, ``quantize``, ``dequantize`` and the kernels take the same scales and agree on them."""
+    x = torch.randn(5, 2, 8)                                                   # [n, kv_heads, head_dim]
+    want = torch.as_tensor(np.asarray(good, dtype=np.float64)).float()          # [] or [kv_heads]
+    stored = quantize(x, good, E4M3)
+    assert torch.equal(stored.view(torch.uint8), quantize(x, want, E4M3).view(torch.uint8))
+    assert torch.equal(dequantize(stored, good), dequantize(stored, want))
+    cache = PagedKVCache(4, 1, 4, 2, 8, dtype=E4M3, k_scale=good, v_scale=good)
+    assert torch.equal(torch.as_tensor(cache.k_scale), want)
+    cache.add_sequence(0)
+    cache.append_tokens(0, x[None], x[None])
+    assert torch.equal(cache.gather(0)[0][0].view(torch.uint8), stored.view(torch.uint8))
+    q, tables, lens = torch.randn(1, 4, 8), cache.block_table([0]), cache.seq_lens_tensor([0])
+    out = paged_attention(q, *cache.layer(0), tables, lens, k_scale=good, v_scale=good)
+    assert torch.equal(out, paged_attention(q, *cache.layer(0), tables, lens, k_scale=want, v_scale=want))
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES.values(), ids=BAD_SCALES.keys())
+def test_bad_scales_refused_alike_everywhere(bad):
+    x = torch.randn(5, 2, 8)
+    for call in (lambda: quantize(x, bad, E4M3), lambda: dequantize(x.to(E4M3), bad)):
+        with pytest.raises(ValueError, match="scale must be None, a finite number > 0"):
+            call()
+    with pytest.raises(ValueError, match="k_scale must be None, a finite number > 0"):
+        PagedKVCache(4, 1, 4, 2, 8, dtype=E4M3, k_scale=bad)
+    cache, _ = filled(E4M3, False)
+    with pytest.raises(ValueError, match="v_scale must be None, a finite number > 0"):
+        paged_attention(*inputs(cache, torch.float32), v_scale=bad)
+
+
+def test_quantize_refuses_a_format_it_cannot_write_and_a_scale_for_other_heads():
+    x = torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        quantize(x, 1.0, torch.float16)
+    with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+        quantize(x.tolist(), 1.0, E4M3)
+    with pytest.raises(ValueError, match="a per-head scale needs x of shape"):
+        quantize(torch.randn(8), torch.ones(2), E4M3)
+
+
+def test_engine_takes_the_models_own_dtype_as_no_quantization():
+    from pagedlib.engine import Engine
+    from pagedlib.model import PagedLlama
+
+    model = PagedLlama.from_hf(tiny_llama())
+    plain = Engine(model, num_blocks=16, block_size=4)
+    same = Engine(model, num_blocks=16, block_size=4, kv_cache_dtype=torch.float32)
+    assert same.cache.dtype == torch.float32 and same.cache.k_scale == 1.0
+    assert same.generate([[1, 5, 9, 2]], max_new_tokens=4) == plain.generate([[1, 5, 9, 2]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
+        Engine(model, num_blocks=8, kv_cache_dtype=torch.float16)  # another dtype than the model's own
+
+
+def test_a_huge_scale_tensor_is_refused_in_bounded_memory():
+    """A per-head scale of 10**8 entries for a 1-D ``x`` (no heads): refused without a list of its values."""
+    import subprocess
+    import sys
+
+    code = ("import resource, torch\n"
+            "from pagedlib.core.fp8 import quantize\n"
+            "scale = torch.ones(10**8)  # 400 MB; a list of its values would take 3 GB more\n"
+            "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+            "hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, hard))  # 1 GiB more at most\n"
+            "try:\n"
+            "    quantize(torch.ones(8), scale, torch.float8_e4m3fn)\n"
+            "except ValueError as e:\n"
+            "    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "refused: a per-head scale needs x of shape" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_cache_keeps_its_own_copy_of_a_scale_tensor():
+    scale = torch.tensor([0.5, 0.25])
+    cache = PagedKVCache(4, 1, 4, 2, 8, dtype=E4M3, k_scale=scale, v_scale=scale)
+    scale[0] = 100.0  # the caller reuses its tensor: the bytes already written keep their meaning
+    assert cache.k_scale.tolist() == [0.5, 0.25] and cache.pool.k_scale.tolist() == [0.5, 0.25]

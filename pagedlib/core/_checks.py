@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
 from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.core.fp8 import check_scales as scales  # noqa: F401 - cache.py's checks.scales
 from pagedlib.util import as_int, refuse
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *FP8_DTYPES)  # f64: oracles
@@ -58,21 +58,6 @@ def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, f
                          f"K and V pools {list(sizes)} and {book:,} bytes of bookkeeping, more than the "
                          f"{MAX_CACHE_BYTES / 2**30:.0f} GiB a cache may hold")
     return sizes, order
-
-
-def scales(k_scale: object, v_scale: object, dtype: torch.dtype, kv_heads: int, device: object) -> tuple:
-    """``(k_scale, v_scale)``: floats, or float32 ``[kv_heads]`` tensors on ``device``; only fp8 has them."""
-    out = []
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        refuse((s is not None and dtype not in FP8_DTYPES, f"{name} needs a float8 dtype, got dtype {dtype}"))
-        ok = isinstance(s, (type(None), torch.Tensor, numbers.Real)) and not isinstance(s, bool)
-        t = torch.as_tensor(1.0 if s is None else s, dtype=torch.float64).detach().cpu() if ok else None
-        ok = ok and t.dim() <= 1 and t.numel() == (kv_heads if t.dim() else 1) and bool(
-            ((t > 0) & t.isfinite()).all())
-        refuse((not ok, f"{name} must be None, a finite number > 0 or a tensor of kv_heads={kv_heads} of "
-                        f"them, got {s!r}"))
-        out.append(float(t) if t.dim() == 0 else t.to(torch.float32).to(device))
-    return tuple(out)
 
 
 def seq(cache, seq_id: Hashable, name: str = "seq_id", new: bool = False) -> None:

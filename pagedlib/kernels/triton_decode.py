@@ -1,8 +1,9 @@
 """A fused Triton paged-attention decode kernel (notebook 05): ``paged_attention_triton`` takes
 ``paged_attention``'s arguments and returns its result without a contiguous copy of K/V. One program per
 (sequence, KV head, split) walks its block table a tile of tokens at a time (``_kv_tile``) with an online
-softmax in fp32 (``_decode_tiles``); with split-K, ``_merge_splits_kernel`` combines their partial states
-by log-sum-exp. Every load is masked at the sequence length: slots that hold no token are never read."""
+softmax in fp32 (``_attend_tiles``, shared with the varlen kernel, which turns its causal mask on); with
+split-K, ``_merge_splits_kernel`` combines their partial states by log-sum-exp. Every load is masked at the
+sequence length: slots that hold no token are never read."""
 
 from __future__ import annotations
 
@@ -43,17 +44,20 @@ def _paged_decode_kernel(
     SCALED: tl.constexpr = False,  # K/V are fp8: multiply by the scales after loading
 ):
     # grid: which sequence, which KV head (= which GQA group of query heads), which split of the context
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, tl.load(lens_ptr + seq))
 
     # the GQA group: query heads kv_head*GROUP ... kv_head*GROUP + GROUP-1, one [GROUP_P, HEAD_DIM_P] tile
-    rows, dims = tl.arange(0, GROUP_P), tl.arange(0, HEAD_DIM_P)
-    heads, row_ok, dim_ok = kv_head * GROUP + rows, rows < GROUP, dims < HEAD_DIM
+    rows = tl.arange(0, GROUP_P)
+    dims = tl.arange(0, HEAD_DIM_P)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP  # False on the padding rows past the group
+    dim_ok = dims < HEAD_DIM  # False on the padding columns past head_dim
     q_offs = seq * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
 
     # online softmax over the tiles, in fp32: running max m_i, running sum l_i, weighted sum of V acc
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
@@ -61,10 +65,12 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
     k_cols = k_ptr + kv_head * stride_kh + dims[None, :] * stride_kd  # [1, HEAD_DIM_P]: this head, slot 0
     v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
-    k_scale, v_scale = tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)  # used if SCALED
-    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr + seq * stride_tb,
+    k_scale = tl.load(k_scale_ptr + kv_head)  # used if SCALED
+    v_scale = tl.load(v_scale_ptr + kv_head)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, 0, qk_scale, start, end, table_ptr + seq * stride_tb,
                                   stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
-                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED)
+                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
+                                  CAUSAL=False)  # one query token sees every key: q_pos (0) is not read
 
     # write: the final output, or this split's partial state for the merge kernel
     o_offs = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :] * stride_od
@@ -79,24 +85,34 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _decode_tiles(acc, l_i, m_i, q, qk_scale, start, end, table_ptr, stride_tn, k_cols, stride_kb, stride_ks,
-                  v_cols, stride_vb, stride_vs, dim_ok, k_scale, v_scale, BLOCK_SIZE: tl.constexpr,
-                  TILE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
-    # the inner loop: positions start..end-1 in tiles of TILE tokens, each tile folded into (m, l, acc)
+def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, start, end, table_ptr, stride_tn, k_cols, stride_kb,
+                  stride_ks, v_cols, stride_vb, stride_vs, dim_ok, k_scale, v_scale, BLOCK_SIZE: tl.constexpr,
+                  TILE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    # the inner loop: keys start..end-1 in tiles of TILE, each tile folded into (m, l, acc) of q's rows.
+    # CAUSAL (the varlen kernel): row r sees the keys up to its own position q_pos[r]; else (decode) every
+    # row sees every key of the range
+    if DOT_FP32:
+        q = q.to(tl.float32)
     for tile_start in range(start, end, TILE):
-        pos = tile_start + tl.arange(0, TILE)  # [TILE] logical positions in the sequence
+        pos = tile_start + tl.arange(0, TILE)  # [TILE] key positions in the sequence
         valid = pos < end  # masks the ragged last tile (and everything past seq_len)
         k, v = _kv_tile(table_ptr, stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
                         pos, valid, dim_ok, BLOCK_SIZE)  # [TILE, HEAD_DIM_P] each
         if SCALED:  # fp8 -> fp32, times the scale, in registers; then q's dtype for the dots
-            k, v = (k.to(tl.float32) * k_scale).to(q.dtype), (v.to(tl.float32) * v_scale).to(q.dtype)
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_P, TILE], base-2 logits
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid token
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [rows, TILE], base-2 logits
+        seen = valid[None, :]  # [1, TILE]
+        if CAUSAL:
+            seen = seen & (pos[None, :] <= q_pos[:, None])  # [rows, TILE]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees a key of the first tile
         alpha = tl.exp2(m_i - m_new)  # how much the old state shrinks (0 on the first tile)
-        p = tl.exp2(s - m_new[:, None])  # [GROUP_P, TILE], 0 at masked tokens
+        p = tl.exp2(s - m_new[:, None])  # [rows, TILE], 0 at masked keys
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -125,9 +141,12 @@ def _merge_splits_kernel(
     SPLITS_P: tl.constexpr,  # num_splits rounded up to a power of two
 ):
     # one program per (sequence, query head): combine the splits' partial softmax states
-    seq, head = tl.program_id(0), tl.program_id(1)
-    splits, dims = tl.arange(0, SPLITS_P), tl.arange(0, HEAD_DIM_P)
-    split_ok, dim_ok = splits < num_splits, dims < HEAD_DIM
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P)
+    dims = tl.arange(0, HEAD_DIM_P)
+    split_ok = splits < num_splits
+    dim_ok = dims < HEAD_DIM
     ml_offs = (seq * tl.num_programs(1) + head) * num_splits + splits
     m = tl.load(m_ptr + ml_offs, mask=split_ok, other=float("-inf"))  # [SPLITS_P]
     lsum = tl.load(l_ptr + ml_offs, mask=split_ok, other=0.0)  # [SPLITS_P]
@@ -143,8 +162,11 @@ def kernel_config(head_dim: int, group: int) -> dict[str, int]:
     """Compile-time sizes: padded tile shapes, and ``TILE`` tokens per loop step (a K tile of 8 KiB in
     fp16 at head_dim 128; at least 16, the reduction dimension of ``p @ v`` on tensor cores)."""
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    tile = 32
+    if head_dim_p > 128:
+        tile = 16
     return {"GROUP": group, "GROUP_P": triton.next_power_of_2(group), "HEAD_DIM": head_dim,
-            "HEAD_DIM_P": head_dim_p, "TILE": 32 if head_dim_p <= 128 else 16}
+            "HEAD_DIM_P": head_dim_p, "TILE": tile}
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, *,
@@ -152,15 +174,40 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int
     """Partitions of each sequence's context (split-K / flash-decoding): enough for ``batch * kv_heads *
     splits`` programs to cover about two waves of SMs, no split under ``min_tokens_per_split`` tokens
     (shorter ones cost more to merge than they save), at most ``max_splits``."""
-    batch, kv_heads, max_context, sm_count = (as_int(name, value, minimum=1) for name, value in (
-        ("batch", batch), ("kv_heads", kv_heads), ("max_context", max_context), ("sm_count", sm_count)))
+    batch = as_int("batch", batch, minimum=1)
+    kv_heads = as_int("kv_heads", kv_heads, minimum=1)
+    max_context = as_int("max_context", max_context, minimum=1)
+    sm_count = as_int("sm_count", sm_count, minimum=1)
     wanted = math.ceil(2 * sm_count / (batch * kv_heads))
     return max(1, min(wanted, max_context // min_tokens_per_split, max_splits))
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device``, else 1 (the interpreter runs one program at a time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_options(q: torch.Tensor, k_cache: torch.Tensor, dot_fp32: bool | None) -> dict[str, object]:
+    """The compile-time options both kernels take from their inputs: ``BLOCK_SIZE``; ``SCALED`` for an fp8
+    cache; ``DOT_FP32`` (upcast dot operands; default: only in the interpreter); ``PRECISION`` of ``tl.dot``
+    ("ieee" for fp32 inputs: no TF32 rounding)."""
+    options = {"BLOCK_SIZE": k_cache.shape[1], "SCALED": k_cache.dtype != q.dtype, "DOT_FP32": interpreting(),
+               "PRECISION": "tf32"}
+    if dot_fp32 is not None:
+        options["DOT_FP32"] = dot_fp32
+    if q.dtype == torch.float32:
+        options["PRECISION"] = "ieee"
+    return options
+
+
+def scale_vector(scale: float | torch.Tensor, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """A checked fp8 scale as the kernels load it, float32 ``[kv_heads]`` (a float: a fill on the device,
+    not a copy from the host)."""
+    if isinstance(scale, torch.Tensor):
+        return scale
+    return torch.full((kv_heads,), scale, device=device)
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -168,27 +215,31 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   dot_fp32: bool | None = None, k_scale: float | torch.Tensor = 1.0,
                   v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Launch the kernel(s) on checked inputs, without a host synchronisation (a benchmark can capture it
-    in a CUDA graph). ``dot_fp32``: upcast dot operands (default: only in the interpreter); the scales: as
-    ``check_scales`` returns them."""
-    (batch, q_heads, head_dim), (_, block_size, kv_heads, _) = q.shape, k_cache.shape
+    in a CUDA graph). ``scale``: the softmax scale (``None``: ``head_dim ** -0.5``); ``dot_fp32``: see
+    ``launch_options``; the fp8 scales: as ``check_scales`` returns them."""
+    batch, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
     cfg = kernel_config(head_dim, q_heads // kv_heads)
+    if scale is None:
+        scale = head_dim**-0.5
     # splits divide the tables' capacity, not the lengths (reading seq_lens would synchronise with the
     # host): a split that starts past its sequence's end finds no tokens and writes an empty state
     per_split = triton.cdiv(block_tables.shape[1] * block_size, num_splits * cfg["TILE"]) * cfg["TILE"]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dst, m, lsum = out[:, :, None], out, out  # without split-K the kernel writes `out` and ignores m, l
-    scales = [s if isinstance(s, torch.Tensor) else torch.full((kv_heads,), s, device=q.device)
-              for s in (k_scale, v_scale)]  # float32 [kv_heads]: a fill, not a copy from the host
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)                # [batch, q_heads, D]
+    dst = out[:, :, None]  # without split-K the kernel writes `out` and ignores m, l
+    m = out
+    lsum = out
     if num_splits > 1:
         dst = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        m, lsum = torch.empty(2, batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
+        m = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
+        lsum = torch.empty_like(m)
+    k_scales = scale_vector(k_scale, kv_heads, q.device)                       # float32 [kv_heads]
+    v_scales = scale_vector(v_scale, kv_heads, q.device)
     with interpreter_lock():
         _paged_decode_kernel[(batch, kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens.contiguous(), *scales, dst, m, lsum,
-            softmax_scale(head_dim, scale) * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            *block_tables.stride(), *dst.stride(), per_split, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-            DOT_FP32=interpreting() if dot_fp32 is None else dot_fp32,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=k_cache.dtype != q.dtype, **cfg,
+            q, k_cache, v_cache, block_tables, seq_lens.contiguous(), k_scales, v_scales, dst, m, lsum,
+            scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+            *dst.stride(), per_split, SPLIT=num_splits > 1, **launch_options(q, k_cache, dot_fp32), **cfg,
             num_warps=4)
         if num_splits > 1:
             _merge_splits_kernel[(batch, q_heads)](

@@ -19,7 +19,8 @@ def _probe():  # decorated as the kernels are, right before them: it takes the m
 
 # Triton's library (tl.sum, ...) takes its mode when triton is first imported, a kernel when it is
 # decorated; they differ when triton was imported before pagedlib could set TRITON_INTERPRET=1.
-_LIBRARY, _KERNELS = isinstance(tl.sum, InterpretedFunction), isinstance(_probe, InterpretedFunction)
+_LIBRARY = isinstance(tl.sum, InterpretedFunction)
+_KERNELS = isinstance(_probe, InterpretedFunction)
 _LOCK = threading.Lock()
 
 
@@ -30,18 +31,20 @@ def interpreting() -> bool:
 
 def interpreter_lock() -> contextlib.AbstractContextManager:
     """Held by interpreted launches: the interpreter keeps global state while it runs a kernel."""
-    return _LOCK if interpreting() else contextlib.nullcontext()
+    if interpreting():
+        return _LOCK
+    return contextlib.nullcontext()
 
 
 def check_mode() -> None:
     """Refuse the setups that cannot work, with a message that says how to fix them."""
     if _LIBRARY == _KERNELS and (_LIBRARY or torch.cuda.is_available()):
         return
-    raise RuntimeError(
-        "paged_attention_triton: triton was imported in compiled mode"
-        + (" before pagedlib could select its interpreter" if _KERNELS else "")
-        + (", and there is no CUDA device" if not torch.cuda.is_available() else "")
-        + ". Triton fixes its mode when it is first imported, and importing torch._dynamo or torch.compile "
-        "imports it. Import pagedlib before those, or set TRITON_INTERPRET=1 in the environment before "
-        "starting Python."
-    )
+    what = "paged_attention_triton: triton was imported in compiled mode"
+    if _KERNELS:
+        what += " before pagedlib could select its interpreter"
+    if not torch.cuda.is_available():
+        what += ", and there is no CUDA device"
+    raise RuntimeError(what + ". Triton fixes its mode when it is first imported, and importing "
+                       "torch._dynamo or torch.compile imports it. Import pagedlib before those, or set "
+                       "TRITON_INTERPRET=1 in the environment before starting Python.")

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedlib.core.fp8 import FP8_DTYPES, dequantize, per_head
+from pagedlib.core.fp8 import FP8_DTYPES, per_head
 from pagedlib.kernels._checks import check_scales, check_varlen_inputs
 from pagedlib.kernels.attention import default_chunk_bytes, softmax_scale
 from pagedlib.util import ceil_div
@@ -40,9 +40,11 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     lens, starts = check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
-    plan = plan_varlen(block_tables, lens, starts, k_cache.shape[1],
-                       2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size())
-    return attend_varlen(q, k_cache, v_cache, plan, softmax_scale(q.shape[2], scale), k_scale, v_scale)
+    scale = softmax_scale(q.shape[2], scale)
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    bytes_per_token = 2 * kv_heads * head_dim * q.element_size()             # K and V, in q's dtype
+    plan = plan_varlen(block_tables, lens, starts, block_size, bytes_per_token)
+    return attend_varlen(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
 
 
 class Piece(NamedTuple):
@@ -62,43 +64,59 @@ def plan_varlen(block_tables: torch.Tensor, lens: list[int], starts: list[int], 
     """Cut a step (``seq_lens``, ``query_start_loc`` as lists) into pieces: the decodes apart (padding one
     to a chunk's length would multiply its work), each group sorted by length and cut where a piece's copy
     of K+V (``bytes_per_token``) would pass ``PAD_LIMIT`` times its own blocks or ``CHUNK_BYTES``."""
-    new = [e - s for s, e in zip(starts, starts[1:])]                         # new tokens per sequence
-    dev, tables, pieces = block_tables.device, block_tables.tolist(), []
-    budget = max(CHUNK_BYTES, default_chunk_bytes(dev))
-    for group in ([b for b, m in enumerate(new) if m == 1], [b for b, m in enumerate(new) if m > 1]):
-        piece, own = [], 0                   # the open piece, padded to its last (longest), and its blocks
+    new = [end - start for start, end in zip(starts, starts[1:])]             # new tokens per sequence
+    decodes = [b for b, m in enumerate(new) if m == 1]
+    prefills = [b for b, m in enumerate(new) if m > 1]
+    device = block_tables.device
+    tables = block_tables.tolist()
+    budget = max(CHUNK_BYTES, default_chunk_bytes(device))
+    pieces = []
+    for group in (decodes, prefills):
+        piece = []  # the open piece, padded to its last (longest) sequence
+        own = 0     # the blocks its sequences hold
         for b in sorted(group, key=lambda b: lens[b]):
             blocks = ceil_div(lens[b], block_size)
             copy = (len(piece) + 1) * blocks                                   # its blocks with b in it
             if piece and (copy > PAD_LIMIT * (own + blocks) or copy * block_size * bytes_per_token > budget):
-                pieces.append(plan_piece(tables, lens, starts, piece, block_size, dev))
-                piece, own = [], 0
+                pieces.append(plan_piece(tables, lens, starts, piece, block_size, device))
+                piece = []
+                own = 0
             piece.append(b)
             own += blocks
-        pieces += [plan_piece(tables, lens, starts, piece, block_size, dev)] if piece else []
+        if piece:
+            pieces.append(plan_piece(tables, lens, starts, piece, block_size, device))
     return pieces
 
 
-def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], g: list[int],
+def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], seqs: list[int],
                block_size: int, device: torch.device) -> Piece:
-    """The ``Piece`` of sequences ``g`` (indices into the step's batch; ``tables``: the block tables)."""
+    """The ``Piece`` of sequences ``seqs`` (indices into the step's batch; ``tables``: the block tables)."""
     long = partial(torch.tensor, dtype=torch.long, device=device)
-    counts, n, blocks, unused = [starts[b + 1] - starts[b] for b in g], max(lens[b] for b in g), [], []
+    counts = [starts[b + 1] - starts[b] for b in seqs]                        # new tokens of each
+    n = max(lens[b] for b in seqs)                                            # keys per sequence
     width = ceil_div(n, block_size)                                           # blocks per sequence
-    for b in g:       # table entries past a sequence's last block (-1) read block 0, zeroed like its tail
+    blocks = []
+    unused = []
+    for b in seqs:    # table entries past a sequence's last block (-1) read block 0, zeroed like its tail
         used = ceil_div(lens[b], block_size)
         unused += range(len(blocks) * block_size + lens[b], (len(blocks) + width) * block_size)
         blocks += tables[b][:used] + [0] * (width - used)
-    scatter = None if min(counts) == max(counts) else (    # queries padded to [c, m]: each row's (b, j)
-        long([i for i, m in enumerate(counts) for _ in range(m)]),
-        long([j for m in counts for j in range(m)]))
+    scatter = None    # queries padded to [c, m] when the counts differ: each row's (sequence, index)
+    if min(counts) != max(counts):
+        scatter = (long([i for i, m in enumerate(counts) for _ in range(m)]),
+                   long([j for m in counts for j in range(m)]))
     # query j of sequence b sits at position lens[b] - new[b] + j and sees the keys up to it; whole prompts
     # of one length are SDPA's own causal case (which skips the masked half of the work)
-    q_pos = long([[lens[b] - m + j for j in range(max(counts))] for b, m in zip(g, counts)])  # [c, m]
-    mask = None if min(counts) == n else (torch.arange(n, device=device) <= q_pos[:, :, None])[:, None]
-    rows = [r for b in g for r in range(starts[b], starts[b + 1])]                      # its rows of q
-    rows = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else long(rows)
-    return Piece(rows, long(blocks), long(unused), len(g), n, scatter, mask)
+    mask = None
+    if min(counts) != n:
+        q_pos = long([[lens[b] - m + j for j in range(max(counts))] for b, m in zip(seqs, counts)])  # [c, m]
+        mask = (torch.arange(n, device=device) <= q_pos[:, :, None])[:, None]           # [c, 1, m, n]
+    rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]                  # its rows of q
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        rows = slice(rows[0], rows[-1] + 1)
+    else:
+        rows = long(rows)
+    return Piece(rows, long(blocks), long(unused), len(seqs), n, scatter, mask)
 
 
 def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[Piece],
@@ -117,17 +135,25 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """One piece in one SDPA call on a copy of its blocks (one ``index_select`` per pool), zero at and past
     each sequence's length so that no NaN of an unused slot survives (fp8: dequantized into ``q``'s dtype).
     ``q`` ``[T, q_heads, head_dim]`` holds each sequence's new tokens in turn; returns the same shape."""
-    (T, q_heads, head_dim), c, kv = q.shape, p.seqs, []
+    T, q_heads, head_dim = q.shape
+    c = p.seqs
+    kv = []
     for cache, s in ((k_cache, k_scale), (v_cache, v_scale)):
         x = cache.index_select(0, p.blocks)                                     # [c * n_blocks, bs, H, D]
-        x = dequantize(x, s, q.dtype) if cache.dtype in FP8_DTYPES else x
+        if cache.dtype in FP8_DTYPES:  # times its scale (checked by the caller), in q's dtype
+            x = (x.float() * per_head(s)).to(q.dtype)
         x.view(-1, *x.shape[2:]).index_fill_(0, p.unused, 0.0)
         kv.append(x.view(c, -1, *x.shape[2:])[:, :p.n].transpose(1, 2))        # [c, H, n, D]: a view
-    qp = q.view(c, -1, q_heads, head_dim) if p.scatter is None else \
-        q.new_zeros(c, p.mask.shape[2], q_heads, head_dim).index_put_(p.scatter, q)  # [c, m, q_heads, D]
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), *kv, attn_mask=p.mask, is_causal=p.mask is None,
-                                       scale=scale, enable_gqa=True).transpose(1, 2)  # [c, m, q_heads, D]
-    return o.reshape(T, q_heads, head_dim) if p.scatter is None else o[p.scatter]
+    if p.scatter is None:  # every sequence brings as many tokens: q's rows are [c, m] already
+        padded = q.view(c, -1, q_heads, head_dim)                               # [c, m, q_heads, D]
+    else:
+        padded = q.new_zeros(c, p.mask.shape[2], q_heads, head_dim).index_put_(p.scatter, q)
+    out = F.scaled_dot_product_attention(padded.transpose(1, 2), *kv, attn_mask=p.mask,
+                                         is_causal=p.mask is None, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2)                                                   # [c, m, q_heads, D]
+    if p.scatter is None:
+        return out.reshape(T, q_heads, head_dim)
+    return out[p.scatter]                                                       # [T, q_heads, D]
 
 
 def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -139,16 +165,22 @@ def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     that hold tokens and masking with explicit positions. Returns float64 ``[T, q_heads, head_dim]``."""
     lens, starts = check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
-    (T, q_heads, head_dim), kv_heads, bs = q.shape, k_cache.shape[2], k_cache.shape[1]
+    T, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = q_heads // kv_heads
     scale = softmax_scale(head_dim, scale)
     out = torch.empty(T, q_heads, head_dim, dtype=torch.float64, device=q.device)
-    for b, (n, a, e) in enumerate(zip(lens, starts, starts[1:])):
+    for b, n in enumerate(lens):
+        rows = slice(starts[b], starts[b + 1])                                 # its m new tokens in q
+        m = starts[b + 1] - starts[b]
         key_pos = torch.arange(n, device=q.device)                             # [n]
-        slot = block_tables[b].long()[key_pos // bs], key_pos % bs             # [n] block, offset each
-        k, v = (x[slot].double() * per_head(s) for x, s in ((k_cache, k_scale), (v_cache, v_scale)))
-        qb = q[a:e].double().reshape(e - a, kv_heads, q_heads // kv_heads, head_dim)  # [m, kv_heads, g, D]
-        scores = torch.einsum("mhgd,nhd->mhgn", qb, k) * scale                 # [m, kv_heads, g, n]
-        q_pos = torch.arange(n - (e - a), n, device=q.device)                  # [m] the new tokens' positions
+        block = block_tables[b].long()[key_pos // block_size]                  # [n]
+        offset = key_pos % block_size                                          # [n]
+        k = k_cache[block, offset].double() * per_head(k_scale)                # [n, kv_heads, D]
+        v = v_cache[block, offset].double() * per_head(v_scale)
+        qb = q[rows].double().reshape(m, kv_heads, group, head_dim)            # [m, kv_heads, group, D]
+        scores = torch.einsum("mhgd,nhd->mhgn", qb, k) * scale                 # [m, kv_heads, group, n]
+        q_pos = torch.arange(n - m, n, device=q.device)                        # [m] the new tokens' positions
         scores = scores.masked_fill((key_pos > q_pos[:, None])[:, None, None, :], float("-inf"))
-        out[a:e] = torch.einsum("mhgn,nhd->mhgd", scores.softmax(-1), v).reshape(e - a, q_heads, head_dim)
+        out[rows] = torch.einsum("mhgn,nhd->mhgd", scores.softmax(-1), v).reshape(m, q_heads, head_dim)
     return out
