@@ -44,13 +44,17 @@ class LlamaShape:
         rope = getattr(config, "rope_parameters", None) or {}
         heads = config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-            num_heads=heads, num_kv_heads=config.num_key_value_heads or heads,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=config.num_key_value_heads or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
 
 
 @dataclass
@@ -132,7 +136,9 @@ class Attention(nn.Module):
     def __init__(self, shape: LlamaShape, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
         self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=False)
         self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
         self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
@@ -203,8 +209,9 @@ class PagedLlama(nn.Module):
         """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
         checks.check_hf_model(hf_model)
         first = next(hf_model.parameters())
-        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
-                                   device=device or first.device)
+        dtype = dtype or first.dtype
+        device = device or first.device
+        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype, device=device)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
@@ -233,8 +240,9 @@ class PagedLlama(nn.Module):
                   prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
         1.0) and device."""
-        s, dtype = self.shape, checks.check_kv_cache_dtype(kv_cache_dtype) or self.dtype
-        return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
+        dtype = checks.check_kv_cache_dtype(kv_cache_dtype) or self.dtype
+        shape = self.shape
+        return PagedKVCache(num_blocks, shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim,
                             dtype=dtype, device=self.device, enable_prefix_caching=enable_prefix_caching,
                             prefix_cache=prefix_cache)
 
@@ -243,39 +251,66 @@ class PagedLlama(nn.Module):
              attention: str = "torch") -> torch.Tensor:
         """One forward pass: append ``chunks[i]`` (>= 1 token) to distinct live sequence ``seq_ids[i]``, each
         token attending causally to everything its sequence holds. Returns ``[batch, vocab_size]`` logits
-        after each chunk's last token. ``OutOfBlocksError`` (nothing changed) if the pool cannot hold every
-        chunk; if the forward pass fails, free the sequences."""
+        after each chunk's last token. All or nothing: ``OutOfBlocksError`` if the pool cannot hold every
+        chunk, and a forward pass that raises (an interrupt) is undone; the blocks it fills become findable
+        by prefix caching only once every layer has written its K/V."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
         kernel = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
-        starts = [cache.seq_lens[s] for s in seq_ids]
-        cache.reserve(seq_ids, [len(c) for c in chunks], [t for c in chunks for t in c])
-        return self._forward(self._step(cache, seq_ids, starts, chunks, kernel), cache)
+        starts = [cache.seq_lens[seq_id] for seq_id in seq_ids]
+        counts = [len(chunk) for chunk in chunks]
+        tokens = [token for chunk in chunks for token in chunk]
+        logits = []
+
+        def forward(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+            cache.pool.copy_blocks(copies)
+            step = self._step(cache, seq_ids, starts, chunks, kernel)
+            logits.append(self._forward(step, cache))
+
+        # checked above (check_step), so straight to the block manager: blocks, then the forward pass
+        cache.manager.reserve(seq_ids, counts, tokens, forward)
+        return logits[0]
 
     def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int], chunks: list[list[int]],
               kernel: Callable[..., torch.Tensor] | None) -> Step:
         """The ``Step`` of tokens ``chunks[i]`` placed at positions ``starts[i]...`` (already reserved)."""
-        dev, bs = self.device, cache.block_size
-        flat, pos, rows, loc = [], [], [], [0]
-        for i, (start, c) in enumerate(zip(starts, chunks)):
-            flat += c
-            pos += range(start, start + len(c))
-            rows += [i] * len(c)
-            loc.append(len(flat))
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)                  # [T]
-        tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
-        blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
-        lens = [start + len(c) for start, c in zip(starts, chunks)]
-        per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.dtype.itemsize  # K+V bytes
-        plan = None if kernel else plan_varlen(tables, lens, loc, bs, per_token)
-        return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
-                    positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
-                    torch.tensor(lens, dtype=torch.int32, device=dev), kernel, plan)
+        device = self.device
+        block_size = cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []         # the sequence (row of the block tables) of each token
+        query_start_loc = [0]
+        for row, (start, chunk) in enumerate(zip(starts, chunks)):
+            tokens += chunk
+            positions += range(start, start + len(chunk))
+            rows += [row] * len(chunk)
+            query_start_loc.append(len(tokens))
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)     # [T]
+        tables = cache.block_table(seq_ids)                                              # [B, max_blocks]
+        row_tensor = torch.tensor(rows, device=device)                                   # [T]
+        blocks = tables.long()[row_tensor, position_tensor // block_size]                # [T]
+        lens = [start + len(chunk) for start, chunk in zip(starts, chunks)]
+        plan = None
+        if kernel is None:
+            kv_bytes_per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.dtype.itemsize
+            plan = plan_varlen(tables, lens, query_start_loc, block_size, kv_bytes_per_token)
+        return Step(
+            seq_ids=seq_ids,
+            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+            positions=position_tensor,
+            blocks=blocks,
+            offsets=position_tensor % block_size,
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            block_tables=tables,
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            kernel=kernel,
+            plan=plan,
+        )
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
-        s = self.shape
+        shape = self.shape
         x = self.embed_tokens(step.tokens)                                             # [T, hidden]
-        rope = rope_cos_sin(step.positions, s.head_dim, s.rope_theta, x.dtype)         # 2 x [T, head_dim]
+        rope = rope_cos_sin(step.positions, shape.head_dim, shape.rope_theta, x.dtype)  # 2 x [T, head_dim]
         for layer in self.layers:
             x = layer(x, rope, step, cache)
         last = step.query_start_loc[1:].long() - 1                                     # [B]
