@@ -42,8 +42,10 @@ class Undo:
     seq_ids: list[Hashable] = field(default_factory=list)    # sequences changed, in order
     tables: list[list[int]] = field(default_factory=list)    # each one's block table before
     lengths: list[int] = field(default_factory=list)         # each one's length before
-    copied: dict[int, int] = field(default_factory=dict)     # shared blocks copied away: count before
-    swapped: list[tuple[int, int]] = field(default_factory=list)  # (duplicate, tree block) in a table
+    # shared blocks copied away: count before
+    copied: dict[int, int] = field(default_factory=dict)
+    # (duplicate, tree block) in a table
+    swapped: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BlockManager:
@@ -54,7 +56,8 @@ class BlockManager:
                  enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
         listed = set(free_order)
         unlisted = [block for block in range(num_blocks - 1, -1, -1) if block not in listed]
-        self.free = unlisted + list(reversed(free_order))  # the top of the stack is the end of the list
+        # the top of the stack is the end of the list
+        self.free = unlisted + list(reversed(free_order))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
@@ -209,7 +212,8 @@ class BlockManager:
         copy = self.copy_on_write(seq_ids, counts)
         needed = sum(copy)
         for seq_id, count in zip(seq_ids, counts):
-            needed += ceil_div(self.seq_lens[seq_id] + count, self.block_size) - len(self.tables[seq_id])
+            blocks_after = ceil_div(self.seq_lens[seq_id] + count, self.block_size)
+            needed += blocks_after - len(self.tables[seq_id])
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(needed, self.num_free_blocks, _what(seq_ids, counts))
         undo = Undo(cow_copies=self.cow_copies)
@@ -239,7 +243,8 @@ class BlockManager:
             undo.seq_ids.append(seq_id)
             undo.tables.append(list(table))
             undo.lengths.append(length)
-            if copy_last:  # the other holders keep the shared last block; this sequence writes a copy
+            # the other holders keep the shared last block; this sequence writes a copy
+            if copy_last:
                 shared = table.pop()
                 undo.copied.setdefault(shared, self.ref_counts[shared])
                 copies.append((shared, next(new_blocks)))
@@ -251,14 +256,17 @@ class BlockManager:
             slots.append([table[p // block_size] * block_size + p % block_size
                           for p in range(length, length + count)])
             self.seq_lens[seq_id] = length + count
-            if self.prefix_cache is not None:
-                self.token_ids[seq_id] += token_ids[first_token:first_token + count]  # type: ignore[index]
+            if self.prefix_cache is not None:  # then token_ids come with every append
+                new_ids = token_ids[first_token:first_token + count]  # type: ignore[index]
+                self.token_ids[seq_id] += new_ids
                 first_token += count
         return slots, copies
 
     def _register(self, undo: Undo) -> None:
         """Make the blocks that ``undo``'s sequences just filled findable by their token ids."""
         block_size = self.block_size
+        prefix_cache = self.prefix_cache
+        assert prefix_cache is not None
         for seq_id, length in zip(undo.seq_ids, undo.lengths):
             table = self.tables[seq_id]
             tokens = self.token_ids[seq_id]
@@ -267,8 +275,9 @@ class BlockManager:
                 if index > 0:
                     parent = table[index - 1]
                 page = tokens[index * block_size:(index + 1) * block_size]
-                found = self.prefix_cache.register(table[index], parent, page)  # type: ignore[union-attr]
-                if found != table[index]:  # the tree holds this content already: hold its block instead
+                found = prefix_cache.register(table[index], parent, page)
+                # the tree holds this content already: hold its block instead
+                if found != table[index]:
                     self.share([found])
                     undo.swapped.append((table[index], found))
                     self.release([table[index]])
@@ -280,7 +289,8 @@ class BlockManager:
             self.free.remove(duplicate)
             self.ref_counts[duplicate] = 1
             self.ref_counts[found] -= 1
-            if self.ref_counts[found] == 0:  # it was a free cached block: back in the queue, not "used now"
+            # it was a free cached block: back in the queue, not "used now"
+            if self.ref_counts[found] == 0:
                 self.prefix_cache.free_queue[found] = None  # type: ignore[union-attr]
         for seq_id, table, length in zip(undo.seq_ids, undo.tables, undo.lengths):
             self.tables[seq_id][:] = table
@@ -299,19 +309,22 @@ class BlockManager:
     def slots(self, seq_id: Hashable) -> list[int]:
         """Flat slot ids of every token of ``seq_id``, in order."""
         block_size = self.block_size
-        every = [block * block_size + offset for block in self.tables[seq_id] for offset in range(block_size)]
+        every = [block * block_size + offset
+                 for block in self.tables[seq_id]
+                 for offset in range(block_size)]
         return every[:self.seq_lens[seq_id]]
 
     def holders(self) -> list[list[tuple[Hashable, int]]]:
         """``holders[b]``: (sequence, logical index) of every table entry naming block ``b``."""
-        if self.tables.keys() != self.seq_lens.keys() or self.tables.keys() != self.token_ids.keys():
+        seq_ids = self.tables.keys()
+        if seq_ids != self.seq_lens.keys() or seq_ids != self.token_ids.keys():
             raise InvariantError("tables, seq_lens and token_ids hold different sequence ids")
         holders: list[list[tuple[Hashable, int]]] = [[] for _ in range(self.num_blocks)]
         for seq_id, table in self.tables.items():
             for index, block in enumerate(table):
                 _check_id(block, self.num_blocks, f"sequence {seq_id!r}")
                 if holders[block] and holders[block][-1][0] == seq_id:
-                    raise InvariantError(f"1: block {block} appears twice in the table of {seq_id!r}")
+                    raise InvariantError(f"1: block {block} is twice in the table of {seq_id!r}")
                 holders[block].append((seq_id, index))
         return holders
 
@@ -330,29 +343,33 @@ class BlockManager:
         for block in free:
             _check_id(block, self.num_blocks, "the free stack")
             if holders[block]:
-                raise InvariantError(f"2: block {block} is free and held by {holders[block][0][0]!r}")
+                holder = holders[block][0][0]
+                raise InvariantError(f"2: block {block} is free and held by {holder!r}")
         if len(set(free)) != len(free):
             raise InvariantError("2: a block appears twice among the free blocks")
         lost = [block for block in range(self.num_blocks) if not holders[block]]
         if len(lost) != len(free):
-            raise InvariantError(f"2: blocks {sorted(set(lost) - set(free))} are neither free nor held")
+            leaked = sorted(set(lost) - set(free))
+            raise InvariantError(f"2: blocks {leaked} are neither free nor held")
         for seq_id, length in self.seq_lens.items():
             if len(self.tables[seq_id]) != ceil_div(length, block_size):
-                raise InvariantError(f"4: sequence {seq_id!r} of length {length} holds "
-                                     f"{len(self.tables[seq_id])} blocks, not ceil({length}/{block_size})")
+                held = len(self.tables[seq_id])
+                raise InvariantError(f"4: sequence {seq_id!r} of length {length} holds {held} "
+                                     f"blocks, not ceil({length}/{block_size})")
         for block, entries in enumerate(holders):
             fills = {(index, min(block_size, self.seq_lens[seq_id] - index * block_size))
                      for seq_id, index in entries}
             if len(fills) > 1:
-                raise InvariantError(f"5: shared block {block} differs between its holders {entries}")
+                raise InvariantError(f"5: shared block {block} differs between holders {entries}")
         if self.prefix_cache is not None:
             self._check_prefix_cache()
 
     def _check_prefix_cache(self) -> None:
         """Invariant 6: each sequence's token ids match its length, and its full blocks are findable."""
         for seq_id in self.tables:
-            if len(self.token_ids[seq_id]) != self.seq_lens[seq_id]:
-                raise InvariantError(f"6: sequence {seq_id!r} has {len(self.token_ids[seq_id])} token ids "
+            known = len(self.token_ids[seq_id])
+            if known != self.seq_lens[seq_id]:
+                raise InvariantError(f"6: sequence {seq_id!r} has {known} token ids "
                                      f"for {self.seq_lens[seq_id]} tokens")
         problem = self.prefix_cache.check(self.tables, self.token_ids)  # type: ignore[union-attr]
         if problem is not None:

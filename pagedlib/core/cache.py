@@ -12,13 +12,17 @@ import torch
 
 from pagedlib.core import _checks as checks
 from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
-from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError  # noqa: F401 (re-exported)
+
+# re-exported: callers import the errors from here
+from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError  # noqa: F401
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.util import as_int
 
-_STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
+# what state_diff compares
+_STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache",
+          "token_ids")
 
 
 class Slot(NamedTuple):
@@ -41,14 +45,16 @@ class PagedKVCache:
         prefix_cache: ``"hash"`` (vLLM's chained block hashes, notebook 06) or ``"radix"`` (SGLang's tree).
     """
 
-    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int,
+                 head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu",
                  free_order: Sequence[int] | None = None, fill: float = 0.0,
                  enable_prefix_caching: bool = False, prefix_cache: str = "hash",
                  k_scale: float | torch.Tensor | None = None,
                  v_scale: float | torch.Tensor | None = None) -> None:
-        sizes, order = checks.new_cache((num_blocks, num_layers, block_size, kv_heads, head_dim), dtype,
-                                        device, free_order, fill, enable_prefix_caching, prefix_cache)
+        sizes = (num_blocks, num_layers, block_size, kv_heads, head_dim)
+        sizes, order = checks.new_cache(sizes, dtype, device, free_order, fill,
+                                        enable_prefix_caching, prefix_cache)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
         self.k_scale, self.v_scale = checks.scales(k_scale, v_scale, dtype, self.kv_heads, device)
         self.dtype: torch.dtype = dtype
@@ -102,7 +108,8 @@ class PagedKVCache:
         prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
         self.manager.add_sequence(seq_id, prompt)
         try:
-            return self.manager.share_partial_block(seq_id, prompt, self.pool.copy_blocks)  # radix only
+            # radix only
+            return self.manager.share_partial_block(seq_id, prompt, self.pool.copy_blocks)
         except BaseException:
             self.manager.free_sequence(seq_id)
             raise
@@ -127,7 +134,8 @@ class PagedKVCache:
                      token_id: int | None = None) -> Slot:
         """Append one token (``k_vec``, ``v_vec``: ``[num_layers, kv_heads, head_dim]``); returns its slot."""
         checks.seq(self, seq_id)
-        ids = checks.appended(self, k_vec, v_vec, token_id, dims="[num_layers, kv_heads, head_dim]", one=True)
+        dims = "[num_layers, kv_heads, head_dim]"
+        ids = checks.appended(self, k_vec, v_vec, token_id, dims=dims, one=True)
         slot = self._append([seq_id], [1], k_vec[:, None], v_vec[:, None], ids)[0]  # [L, 1, H, D]
         return Slot(*divmod(slot, self.block_size))
 
@@ -255,7 +263,8 @@ class PagedKVCache:
         kept: list[int] = []  # cached blocks nobody holds
         if self.prefix_cache is not None:
             kept = list(self.prefix_cache.free_queue)
-        used += [block * self.block_size + offset for block in kept for offset in range(self.block_size)]
+        offsets = range(self.block_size)
+        used += [block * self.block_size + offset for block in kept for offset in offsets]
         self.pool.fill_except(used, value)
 
     def state_diff(self, before: PagedKVCache) -> list[str]:
@@ -276,8 +285,8 @@ class PagedKVCache:
         if shared or self.cow_copies:
             blocks += f", {shared} shared, {self.cow_copies} copied"
         lines = [f"PagedKVCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
-                 f"block_size={self.block_size}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
-                 f"dtype={dtype}, device={self.device})",
+                 f"block_size={self.block_size}, kv_heads={self.kv_heads}, "
+                 f"head_dim={self.head_dim}, dtype={dtype}, device={self.device})",
                  blocks,
                  f"  tokens: {self.num_tokens} in {self.num_allocated_slots} allocated slots "
                  f"(utilization {self.utilization:.0%})"]
@@ -292,7 +301,9 @@ def _same(now: object, before: object) -> bool:
     """Equal, and for tensors bit for bit with NaN equal to NaN."""
     if not isinstance(now, torch.Tensor):
         return now == before
-    if not isinstance(before, torch.Tensor) or now.dtype != before.dtype or now.shape != before.shape:
+    if not isinstance(before, torch.Tensor):
+        return False
+    if now.dtype != before.dtype or now.shape != before.shape:
         return False
     if torch.equal(now, before):
         return True

@@ -32,7 +32,8 @@ class BlockKey:
     def __eq__(self, other: object) -> bool:
         mine: object = self
         theirs = other
-        while mine is not theirs:  # walk both prefixes back to a shared ancestor (usually at once: the same)
+        # walk both prefixes back to a shared ancestor (usually at once: the same)
+        while mine is not theirs:
             if not (isinstance(mine, BlockKey) and isinstance(theirs, BlockKey)):
                 return False
             if mine.tokens != theirs.tokens:
@@ -87,7 +88,8 @@ class PrefixCache:
         """``block`` just became full with ``tokens`` after block ``parent``: it gets its key and is found
         by it, unless another block holds the same content (vLLM keeps such a duplicate): ``block``."""
         if len(tokens) != self.block_size:
-            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, got {len(tokens)}")
+            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, "
+                             f"got {len(tokens)}")
         parent_key = None
         if parent is not None:
             parent_key = self.keys[parent]
@@ -126,8 +128,11 @@ class PrefixCache:
         rate = 0.0
         if self.queried_tokens:
             rate = self.hit_tokens / self.queried_tokens
-        return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens, "hit_rate": rate,
-                "evicted_blocks": self.evicted_blocks, "cached_blocks": len(self.blocks)}
+        return {"queried_tokens": self.queried_tokens,
+                "hit_tokens": self.hit_tokens,
+                "hit_rate": rate,
+                "evicted_blocks": self.evicted_blocks,
+                "cached_blocks": len(self.blocks)}
 
     def check(self, tables: dict, token_ids: dict) -> str | None:
         """The first broken invariant, or ``None``: every full block of every table has the key of its
@@ -142,7 +147,7 @@ class PrefixCache:
                 if index > 0:
                     parent = self.keys.get(table[index - 1])
                 if key is None or key.tokens != tokens or key.parent != parent:
-                    return f"full block {block} of sequence {seq_id!r} has key {key}, not its tokens"
+                    return f"full block {block} of {seq_id!r} has key {key}, not its tokens"
         stale = [block for block in self.free_queue if not self.is_cached(block)]
         if stale:
             return f"blocks {stale} wait in the prefix cache's queue without cached content"

@@ -16,7 +16,8 @@ class TreeNode:
 
     __slots__ = ("parent", "tokens", "blocks", "children", "last_used")
 
-    def __init__(self, parent: TreeNode | None, tokens: list[int], blocks: list[int], last_used: int) -> None:
+    def __init__(self, parent: TreeNode | None, tokens: list[int], blocks: list[int],
+                 last_used: int) -> None:
         self.parent = parent
         self.tokens = tokens
         self.blocks = blocks
@@ -34,8 +35,10 @@ class RadixCache:
         self.root = TreeNode(None, [], [], 0)
         self.node_of: dict[int, TreeNode] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict()
-        self.leaves: list[tuple[int, int, TreeNode]] = []  # (last use, id: ties never compare nodes, leaf)
-        self.clock = 0  # ticks at every lookup and release: a node's age is the tick it was last used
+        # (last use, id: ties never compare nodes, leaf)
+        self.leaves: list[tuple[int, int, TreeNode]] = []
+        # ticks at every lookup and release: a node's age is the tick it was last used
+        self.clock = 0
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evicted_blocks = 0
@@ -60,7 +63,8 @@ class RadixCache:
                 continue
             matched = 1  # the first block matched by its key
             most = min(len(run), len(ids) - at) // block_size
-            while matched < most:  # bisect for the last matching block: each test is one list comparison
+            # bisect for the last matching block: each test is one list comparison
+            while matched < most:
                 middle = (matched + most + 1) // 2
                 if run[:middle * block_size] == ids[at:at + middle * block_size]:
                     matched = middle
@@ -99,16 +103,19 @@ class RadixCache:
             node = self.node_of[found[-1]]
             index = node.blocks.index(found[-1]) + 1
         if index < len(node.blocks):  # the run goes on inside this node: one candidate
-            candidates = [(node.blocks[index], node.tokens[index * block_size:(index + 1) * block_size])]
+            page = node.tokens[index * block_size:(index + 1) * block_size]
+            candidates = [(node.blocks[index], page)]
         else:  # the run ends here: each child's first block
-            candidates = [(child.blocks[0], child.tokens[:block_size]) for child in node.children.values()]
+            children = node.children.values()
+            candidates = [(child.blocks[0], child.tokens[:block_size]) for child in children]
         best_block = -1
         best = 0
         for block, page in candidates:
             same = 0
             while same < len(want) and page[same] == want[same]:
                 same += 1
-            if (same, block) > (best, best_block):  # the most tokens; of equals, the highest block id
+            # the most tokens; of equals, the highest block id
+            if (same, block) > (best, best_block):
                 best_block = block
                 best = same
         if best == 0:
@@ -122,13 +129,15 @@ class RadixCache:
         one and frees its duplicate, as SGLang's insert does). A block whose parent is not in the tree stays
         out of it."""
         if len(tokens) != self.block_size:
-            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, got {len(tokens)}")
+            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, "
+                             f"got {len(tokens)}")
         node = self.root
         if parent is not None:
             node = self.node_of.get(parent)
         if node is None:
             return block
-        at = len(node.blocks)  # where the new block goes in ``node``: usually a sequence grows its own leaf
+        # where the new block goes in ``node``: usually a sequence grows its own leaf
+        at = len(node.blocks)
         if parent is not None and node.blocks[-1] != parent:
             at = node.blocks.index(parent) + 1
         page = tuple(tokens)
@@ -217,7 +226,8 @@ class RadixCache:
             del self.node_of[block]
             del self.free_queue[block]
             if node.blocks:
-                heapq.heappush(self.leaves, (used, id(node), node))  # its new last block may go next
+                # its new last block may go next
+                heapq.heappush(self.leaves, (used, id(node), node))
             else:
                 self._remove_leaf(node)
             self.evicted_blocks += 1
@@ -229,7 +239,8 @@ class RadixCache:
         parent = node.parent
         if parent is None:
             return
-        parent.children = {key: child for key, child in parent.children.items() if child is not node}
+        siblings = parent.children.items()
+        parent.children = {key: child for key, child in siblings if child is not node}
         if parent is not self.root and not parent.children and parent.blocks[-1] in self.free_queue:
             heapq.heappush(self.leaves, (parent.last_used, id(parent), parent))
 
@@ -238,8 +249,11 @@ class RadixCache:
         rate = 0.0
         if self.queried_tokens:
             rate = self.hit_tokens / self.queried_tokens
-        return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens, "hit_rate": rate,
-                "evicted_blocks": self.evicted_blocks, "cached_blocks": len(self.node_of),
+        return {"queried_tokens": self.queried_tokens,
+                "hit_tokens": self.hit_tokens,
+                "hit_rate": rate,
+                "evicted_blocks": self.evicted_blocks,
+                "cached_blocks": len(self.node_of),
                 "nodes": len(set(self.node_of.values()))}
 
     def __eq__(self, other: object) -> bool:  # what PagedKVCache.state_diff compares
@@ -259,7 +273,8 @@ class RadixCache:
                 before = node.parent.blocks[-1]  # type: ignore[union-attr]
             tokens = tuple(node.tokens[index * block_size:(index + 1) * block_size])
             rows.append((block, before, tokens, node.last_used))
-        return sorted(rows), set(self.free_queue), self.queried_tokens, self.hit_tokens, self.evicted_blocks
+        counts = (self.queried_tokens, self.hit_tokens, self.evicted_blocks)
+        return sorted(rows), set(self.free_queue), counts
 
     def check(self, tables: dict, token_ids: dict) -> str | None:
         """The first broken invariant of the tree, or ``None``: every cached block sits in exactly one node
@@ -280,7 +295,7 @@ class RadixCache:
                 todo.append(child)
             seen.update((block, node) for block in node.blocks)
         if seen != self.node_of:
-            return f"{len(self.node_of)} blocks are registered but {len(seen)} are reachable from the root"
+            return f"{len(self.node_of)} blocks are registered, {len(seen)} reachable from the root"
         for seq_id, table in tables.items():
             full = len(token_ids[seq_id]) // block_size
             found = self.peek(token_ids[seq_id] + [0])  # + [0]: every full block may be found
