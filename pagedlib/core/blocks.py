@@ -324,7 +324,8 @@ class BlockManager:
             for index, block in enumerate(table):
                 _check_id(block, self.num_blocks, f"sequence {seq_id!r}")
                 if holders[block] and holders[block][-1][0] == seq_id:
-                    raise InvariantError(f"1: block {block} is twice in the table of {seq_id!r}")
+                    where = f"the table of sequence {seq_id!r}"
+                    raise InvariantError(f"1: block {block} appears twice in {where}")
                 holders[block].append((seq_id, index))
         return holders
 
@@ -335,8 +336,9 @@ class BlockManager:
         block_size = self.block_size
         for block, count in enumerate(self.ref_counts):
             if count != len(holders[block]):
-                raise InvariantError(f"1: block {block} has reference count {count} but tables "
-                                     f"{[seq_id for seq_id, _ in holders[block]]} hold it")
+                names = [seq_id for seq_id, _ in holders[block]]
+                raise InvariantError(f"1: block {block} has reference count {count} but "
+                                     f"{len(names)} tables hold it ({names})")
         free = list(self.free)
         if self.prefix_cache is not None:
             free += list(self.prefix_cache.free_queue)
@@ -344,23 +346,26 @@ class BlockManager:
             _check_id(block, self.num_blocks, "the free stack")
             if holders[block]:
                 holder = holders[block][0][0]
-                raise InvariantError(f"2: block {block} is free and held by {holder!r}")
+                raise InvariantError(f"2: block {block} is held by sequence {holder!r} "
+                                     f"and also on the free stack")
         if len(set(free)) != len(free):
             raise InvariantError("2: a block appears twice among the free blocks")
-        lost = [block for block in range(self.num_blocks) if not holders[block]]
-        if len(lost) != len(free):
-            leaked = sorted(set(lost) - set(free))
-            raise InvariantError(f"2: blocks {leaked} are neither free nor held")
+        unheld = [block for block in range(self.num_blocks) if not holders[block]]
+        if len(unheld) != len(free):
+            leaked = sorted(set(unheld) - set(free))
+            raise InvariantError(f"2: blocks {leaked} are neither free nor held (leaked)")
         for seq_id, length in self.seq_lens.items():
             if len(self.tables[seq_id]) != ceil_div(length, block_size):
                 held = len(self.tables[seq_id])
+                want = ceil_div(length, block_size)
                 raise InvariantError(f"4: sequence {seq_id!r} of length {length} holds {held} "
-                                     f"blocks, not ceil({length}/{block_size})")
+                                     f"blocks, expected ceil({length}/{block_size}) = {want}")
         for block, entries in enumerate(holders):
             fills = {(index, min(block_size, self.seq_lens[seq_id] - index * block_size))
                      for seq_id, index in entries}
             if len(fills) > 1:
-                raise InvariantError(f"5: shared block {block} differs between holders {entries}")
+                raise InvariantError(f"5: shared block {block} differs between its holders "
+                                     f"{entries} (index, fill)")
         if self.prefix_cache is not None:
             self._check_prefix_cache()
 

@@ -147,7 +147,8 @@ class PrefixCache:
                 if index > 0:
                     parent = self.keys.get(table[index - 1])
                 if key is None or key.tokens != tokens or key.parent != parent:
-                    return f"full block {block} of {seq_id!r} has key {key}, not its tokens"
+                    where = f"full block {block} of sequence {seq_id!r}"
+                    return f"{where} has key {key}, not its tokens"
         stale = [block for block in self.free_queue if not self.is_cached(block)]
         if stale:
             return f"blocks {stale} wait in the prefix cache's queue without cached content"
