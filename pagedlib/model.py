@@ -44,13 +44,17 @@ class LlamaShape:
         rope = getattr(config, "rope_parameters", None) or {}
         heads = config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-            num_heads=heads, num_kv_heads=config.num_key_value_heads or heads,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=config.num_key_value_heads or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
 
 
 @dataclass
@@ -62,20 +66,21 @@ class Step:
     positions: torch.Tensor           # int64 [T]
     blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
     offsets: torch.Tensor             # int64 [T]
-    query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's tokens are rows [loc[b], loc[b + 1])
+    query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
     kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch, with
     plan: list[Piece] | None          # its plan, the same for every layer (plan_varlen)
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+               k_scale: float | torch.Tensor = 1.0,
+               v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
         scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
         plan: the step's inputs are built here, once."""
         if self.kernel is not None:
-            return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                               k_scale=k_scale, v_scale=v_scale)
+            return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens,
+                               self.query_start_loc, k_scale=k_scale, v_scale=v_scale)
         return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
@@ -106,7 +111,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]`` by ``cos``, ``sin`` ``[T, head_dim]`` (half-split pairs)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)               # [T, heads, head_dim]
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)       # [T, heads, head_dim]
     return x * cos[:, None] + rotated * sin[:, None]
 
 
@@ -119,7 +124,8 @@ def attention_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tenso
     from pagedlib.kernels import triton_decode
 
     if head_dim > triton_decode.MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be at most {triton_decode.MAX_HEAD_DIM} for the Triton kernel, "
+        most = triton_decode.MAX_HEAD_DIM
+        raise ValueError(f"head_dim must be at most {most} for the Triton kernel, "
                          f"the model has {head_dim}")
     from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
 
@@ -132,7 +138,9 @@ class Attention(nn.Module):
     def __init__(self, shape: LlamaShape, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
         self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=False)
         self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
         self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
@@ -142,14 +150,16 @@ class Attention(nn.Module):
                 cache: PagedKVCache) -> torch.Tensor:
         """``x``: ``[T, hidden]`` -> ``[T, hidden]``."""
         T = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), *rope)     # [T, Hq, D]
-        k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), *rope)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                     # [T, Hkv, D]
-        k_pool, v_pool = cache.layer(self.layer)                       # [num_blocks, block_size, Hkv, D]
-        k, v = cache.pool.encode(k, v)                                 # fp8: quantized (notebook 10)
-        k_pool[step.blocks, step.offsets] = k                          # vLLM's reshape_and_cache
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)          # [T, Hq, D]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
+        q = apply_rope(q, *rope)
+        k = apply_rope(k, *rope)
+        k_pool, v_pool = cache.layer(self.layer)              # [num_blocks, block_size, Hkv, D]
+        k, v = cache.pool.encode(k, v)                        # fp8: quantized (notebook 10)
+        k_pool[step.blocks, step.offsets] = k                 # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
-        out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale)            # [T, Hq, D]
+        out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -203,18 +213,24 @@ class PagedLlama(nn.Module):
         """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
         checks.check_hf_model(hf_model)
         first = next(hf_model.parameters())
-        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype or first.dtype,
-                                   device=device or first.device)
+        dtype = dtype or first.dtype
+        device = device or first.device
+        state_dict = hf_model.state_dict()
+        return cls.from_state_dict(hf_model.config, state_dict, dtype=dtype, device=device)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
-                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> PagedLlama:
+                        dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> PagedLlama:
         """Build from a config and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes and a
         missing tied ``lm_head.weight`` are fine); ``ValueError`` naming unknown or missing weights."""
         shape = LlamaShape.from_hf(config)
         checks.check_model_dtype(dtype)
         model = cls(shape)
-        state = {k.removeprefix("model."): v for k, v in state_dict.items() if "rotary_emb" not in k}
+        state = {}
+        for name, weight in state_dict.items():
+            if "rotary_emb" not in name:  # transformers' rotary buffers: computed here
+                state[name.removeprefix("model.")] = weight
         if shape.tie_word_embeddings and "embed_tokens.weight" in state:
             state.setdefault("lm_head.weight", state["embed_tokens.weight"])
         checks.check_weights(*model.load_state_dict(state, strict=False))     # missing, unexpected
@@ -233,50 +249,80 @@ class PagedLlama(nn.Module):
                   prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
         1.0) and device."""
-        s, dtype = self.shape, checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype) or self.dtype
-        return PagedKVCache(num_blocks, s.num_layers, block_size, s.num_kv_heads, s.head_dim,
-                            dtype=dtype, device=self.device, enable_prefix_caching=enable_prefix_caching,
-                            prefix_cache=prefix_cache)
+        dtype = checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype) or self.dtype
+        shape = self.shape
+        return PagedKVCache(num_blocks, shape.num_layers, block_size, shape.num_kv_heads,
+                            shape.head_dim, dtype=dtype, device=self.device,
+                            enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache)
 
     @torch.no_grad()
-    def step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable], chunks: Sequence[Sequence[int]], *,
-             attention: str = "torch") -> torch.Tensor:
+    def step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable],
+             chunks: Sequence[Sequence[int]], *, attention: str = "torch") -> torch.Tensor:
         """One forward pass: append ``chunks[i]`` (>= 1 token) to distinct live sequence ``seq_ids[i]``, each
         token attending causally to everything its sequence holds. Returns ``[batch, vocab_size]`` logits
-        after each chunk's last token. ``OutOfBlocksError`` (nothing changed) if the pool cannot hold every
-        chunk; if the forward pass fails, free the sequences."""
+        after each chunk's last token. All or nothing: ``OutOfBlocksError`` if the pool cannot hold every
+        chunk, and a forward pass that raises (an interrupt) is undone; the blocks it fills become findable
+        by prefix caching only once every layer has written its K/V."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
         kernel = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
-        starts = [cache.seq_lens[s] for s in seq_ids]
-        cache.reserve(seq_ids, [len(c) for c in chunks], [t for c in chunks for t in c])
-        return self._forward(self._step(cache, seq_ids, starts, chunks, kernel), cache)
+        starts = [cache.seq_lens[seq_id] for seq_id in seq_ids]
+        counts = [len(chunk) for chunk in chunks]
+        tokens = [token for chunk in chunks for token in chunk]
+        logits = []
 
-    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int], chunks: list[list[int]],
-              kernel: Callable[..., torch.Tensor] | None) -> Step:
+        def forward(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+            cache.pool.copy_blocks(copies)
+            step = self._step(cache, seq_ids, starts, chunks, kernel)
+            logits.append(self._forward(step, cache))
+
+        # checked above (check_step), so straight to the block manager: blocks, then the forward pass
+        cache.manager.reserve(seq_ids, counts, tokens, forward)
+        return logits[0]
+
+    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
+              chunks: list[list[int]], kernel: Callable[..., torch.Tensor] | None) -> Step:
         """The ``Step`` of tokens ``chunks[i]`` placed at positions ``starts[i]...`` (already reserved)."""
-        dev, bs = self.device, cache.block_size
-        flat, pos, rows, loc = [], [], [], [0]
-        for i, (start, c) in enumerate(zip(starts, chunks)):
-            flat += c
-            pos += range(start, start + len(c))
-            rows += [i] * len(c)
-            loc.append(len(flat))
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)                  # [T]
-        tables = cache.block_table(seq_ids)                                            # [B, max_blocks]
-        blocks = tables.long()[torch.tensor(rows, device=dev), positions // bs]        # [T]
-        lens = [start + len(c) for start, c in zip(starts, chunks)]
-        per_token = 2 * self.shape.num_kv_heads * self.shape.head_dim * self.dtype.itemsize  # K+V bytes
-        plan = None if kernel else plan_varlen(tables, lens, loc, bs, per_token)
-        return Step(seq_ids, torch.tensor(flat, dtype=torch.int64, device=dev), positions, blocks,
-                    positions % bs, torch.tensor(loc, dtype=torch.int32, device=dev), tables,
-                    torch.tensor(lens, dtype=torch.int32, device=dev), kernel, plan)
+        device = self.device
+        block_size = cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []         # the sequence (row of the block tables) of each token
+        query_start_loc = [0]
+        for row, (start, chunk) in enumerate(zip(starts, chunks)):
+            tokens += chunk
+            positions += range(start, start + len(chunk))
+            rows += [row] * len(chunk)
+            query_start_loc.append(len(tokens))
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)  # [T]
+        tables = cache.block_table(seq_ids)                                  # [B, max_blocks]
+        row_tensor = torch.tensor(rows, device=device)                       # [T]
+        blocks = tables.long()[row_tensor, position_tensor // block_size]    # [T]
+        lens = [start + len(chunk) for start, chunk in zip(starts, chunks)]
+        plan = None
+        if kernel is None:
+            shape = self.shape
+            kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
+            plan = plan_varlen(tables, lens, query_start_loc, block_size, kv_bytes_per_token)
+        return Step(
+            seq_ids=seq_ids,
+            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+            positions=position_tensor,
+            blocks=blocks,
+            offsets=position_tensor % block_size,
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            block_tables=tables,
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            kernel=kernel,
+            plan=plan,
+        )
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
         """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
-        s = self.shape
-        x = self.embed_tokens(step.tokens)                                             # [T, hidden]
-        rope = rope_cos_sin(step.positions, s.head_dim, s.rope_theta, x.dtype)         # 2 x [T, head_dim]
+        shape = self.shape
+        x = self.embed_tokens(step.tokens)                                 # [T, hidden]
+        # cos, sin: [T, head_dim] each
+        rope = rope_cos_sin(step.positions, shape.head_dim, shape.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, step, cache)
-        last = step.query_start_loc[1:].long() - 1                                     # [B]
-        return self.lm_head(self.norm(x[last]))                                        # [B, vocab]
+        last = step.query_start_loc[1:].long() - 1                         # [B]
+        return self.lm_head(self.norm(x[last]))                            # [B, vocab]

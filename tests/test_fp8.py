@@ -98,10 +98,9 @@ class Fp8CacheMachine(CacheMachine):
     @invariant()
     def contents(self) -> None:
         for s, tokens in self.model.items():
-            k, v = self.cache.gather(s)  # [L, n, H, D] fp8
-            want = quantize(kv_of(tokens, 0), self.SCALE, self.cache.dtype)
-            assert torch.equal(k.view(torch.uint8), want[0].view(torch.uint8))
-            assert torch.equal(v.view(torch.uint8), want[1].view(torch.uint8))
+            k, v = self.cache.gather(s)  # [L, n, H, D] float32: the stored bytes times the scale
+            want = dequantize(quantize(kv_of(tokens, 0), self.SCALE, self.cache.dtype), self.SCALE)
+            assert torch.equal(k, want[0]) and torch.equal(v, want[1])
 
 
 Fp8CacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
@@ -240,7 +239,7 @@ def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
     cache.append_token(1, x[0, :, 0], x[1, :, 0], 9)  # copy-on-write of the shared last block
     assert cache.cow_copies == 1
     k0, k1 = cache.gather(0)[0], cache.gather(1)[0]
-    assert torch.equal(k0.view(torch.uint8), k1[:, :6].view(torch.uint8))
+    assert torch.equal(k0, k1[:, :6])
     assert cache.add_sequence(2, list(range(6))) == 4  # one full block found again, bytes shared
     cache.check_invariants()
 
@@ -294,7 +293,7 @@ def test_scales_accepted_alike_everywhere(good):
     assert torch.equal(torch.as_tensor(cache.k_scale), want)
     cache.add_sequence(0)
     cache.append_tokens(0, x[None], x[None])
-    assert torch.equal(cache.gather(0)[0][0].view(torch.uint8), stored.view(torch.uint8))
+    assert torch.equal(cache.gather(0)[0][0], dequantize(stored, want))  # gather gives the values back
     q, tables, lens = torch.randn(1, 4, 8), cache.block_table([0]), cache.seq_lens_tensor([0])
     out = paged_attention(q, *cache.layer(0), tables, lens, k_scale=good, v_scale=good)
     assert torch.equal(out, paged_attention(q, *cache.layer(0), tables, lens, k_scale=want, v_scale=want))

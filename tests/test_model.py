@@ -184,3 +184,40 @@ def test_a_cache_with_prefix_caching_needs_the_token_ids_the_model_passes(model)
     model.step(cache, ["s"], [[1, 2, 3, 4, 5]])
     model.step(cache, ["s"], [[6]])
     assert cache.token_ids["s"] == [1, 2, 3, 4, 5, 6] and cache.is_cached(cache.tables["s"][0])
+
+
+@pytest.mark.parametrize("design", ["hash", "radix"])
+def test_an_interrupted_step_is_undone_and_the_same_prompt_then_gets_fresh_logits(model, design, monkeypatch):
+    """Issue 30, defect 2: an interrupt in the second layer of a prefill used to leave the prompt's full
+    blocks findable with only the first layer's K/V; freeing the sequence (the documented recovery) and
+    sending the same prompt again gave logits 2.46 off. The step is now undone, and a block becomes
+    findable only once every layer has written it."""
+    from pagedlib.model import DecoderLayer
+
+    prompt = list(range(1, 20))                                      # 4 full blocks of 4 and 3 tokens
+    cache = model.new_cache(16, 4, enable_prefix_caching=True, prefix_cache=design)
+    cache.add_sequence(0, prompt)
+    snap = snapshot(cache)
+    original, calls = DecoderLayer.forward, []
+
+    def second_layer_interrupted(self, *args):
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("injected")
+        return original(self, *args)
+
+    monkeypatch.setattr(DecoderLayer, "forward", second_layer_interrupted)
+    with pytest.raises(KeyboardInterrupt, match="injected"):
+        model.step(cache, [0], [prompt])
+    monkeypatch.undo()
+    assert set(cache.state_diff(snap)) <= {"k", "v"}                 # slots that hold no token may change
+    cache.check_invariants()
+    cache.free_sequence(0)
+    assert cache.add_sequence(1, prompt) == 0                        # nothing half written is found
+    logits = model.step(cache, [1], [prompt])
+    fresh = model.new_cache(16, 4)
+    fresh.add_sequence(0)
+    torch.testing.assert_close(logits, model.step(fresh, [0], [prompt]), **LOGITS_TOL)
+    cache.free_sequence(1)
+    assert cache.add_sequence(2, prompt) == 16                       # written whole: found again
+    cache.check_invariants()

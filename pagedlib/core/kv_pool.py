@@ -14,16 +14,21 @@ class KVPool:
     """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history; an fp8
     pool stores ``x / k_scale`` (``v_scale``), saturated (``fp8.quantize``)."""
 
-    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str, fill: float = 0.0,
-                 k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int,
+                 head_dim: int, *, dtype: torch.dtype, device: torch.device | str,
+                 fill: float = 0.0, k_scale: float | torch.Tensor = 1.0,
+                 v_scale: float | torch.Tensor = 1.0) -> None:
         shape = (num_blocks, num_layers, block_size, kv_heads, head_dim)
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
         self.v = torch.full(shape, fill, dtype=dtype, device=device)
         self.device = self.k.device  # normalised: "cuda" -> "cuda:0"
-        self.num_layers, self.block_size, self.flat = num_layers, block_size, (-1, kv_heads, head_dim)
-        self.layer_rows = torch.arange(num_layers, device=self.device)[:, None] * block_size  # [L, 1]
-        self.k_scale, self.v_scale = k_scale, v_scale
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.flat = (-1, kv_heads, head_dim)  # a pool seen as rows of one token of one layer
+        layers = torch.arange(num_layers, device=self.device)
+        self.layer_rows = layers[:, None] * block_size  # [L, 1]: where each layer starts in a block
+        self.k_scale = k_scale
+        self.v_scale = v_scale
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[..., kv_heads, head_dim]`` as the pools store them: quantized if they are fp8."""
@@ -32,30 +37,39 @@ class KVPool:
         return quantize(k, self.k_scale, self.k.dtype), quantize(v, self.v_scale, self.v.dtype)
 
     def rows(self, slots: list[int]) -> torch.Tensor:
-        """int64 ``[num_layers * n]`` rows of ``slots``, layer-major, in the pool flattened to ``[-1, H, D]``:
-        (layer ``l``, slot) is row ``(block * num_layers + l) * block_size + offset``."""
-        step, bs = self.num_layers * self.block_size, self.block_size
-        first = torch.tensor([s // bs * step + s % bs for s in slots], dtype=torch.long, device=self.device)
-        return (first + self.layer_rows).view(-1)  # [L, 1] + [n] -> [L, n]
+        """int64 ``[num_layers * n]`` rows of ``slots``, layer-major, in the pool flattened to
+        ``[-1, H, D]``: (layer ``l``, slot) is row ``(block * num_layers + l) * block_size + offset``."""
+        block_size = self.block_size
+        rows_per_block = self.num_layers * block_size
+        first = [slot // block_size * rows_per_block + slot % block_size for slot in slots]
+        first_rows = torch.tensor(first, dtype=torch.long, device=self.device)   # [n]: layer 0
+        return (first_rows + self.layer_rows).view(-1)  # [L, 1] + [n] -> [L, n]
 
     def write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``) into slot ``slots[i]``
-        of every layer: one ``index_copy_`` per pool."""
-        rows, (k, v) = self.rows(slots), self.encode(k.detach(), v.detach())
-        for pool, x in ((self.k, k), (self.v, v)):
-            _bits(pool).view(self.flat).index_copy_(0, rows, _bits(x).reshape(self.flat))  # [L * n, H, D]
+        """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``) into slot
+        ``slots[i]`` of every layer: one ``index_copy_`` per pool."""
+        rows = self.rows(slots)
+        k, v = self.encode(k.detach(), v.detach())
+        for pool, new in ((self.k, k), (self.v, v)):
+            flat_pool = _bits(pool).view(self.flat)
+            flat_pool.index_copy_(0, rows, _bits(new).reshape(self.flat))  # [L * n, H, D]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair (copy-on-write)."""
-        if copies:
-            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
-            for pool in (self.k, self.v):
-                pool[dst] = pool[src]  # [c, L, block_size, H, D]
+        if not copies:
+            return
+        sources = torch.tensor([source for source, _ in copies], device=self.device)
+        destinations = torch.tensor([destination for _, destination in copies], device=self.device)
+        for pool in (self.k, self.v):
+            pool[destinations] = pool[sources]  # [c, L, block_size, H, D]
 
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous copies of K and V at ``slots``: ``[num_layers, n, kv_heads, head_dim]`` each."""
-        rows, out = self.rows(slots), (self.num_layers, len(slots), *self.flat[1:])
-        return tuple(pool.view(self.flat).index_select(0, rows).view(out) for pool in (self.k, self.v))
+        """Contiguous copies of K and V at ``slots`` as stored: ``[num_layers, n, kv_heads, head_dim]``."""
+        rows = self.rows(slots)
+        shape = (self.num_layers, len(slots), *self.flat[1:])
+        k = self.k.view(self.flat).index_select(0, rows).view(shape)
+        v = self.v.view(self.flat).index_select(0, rows).view(shape)
+        return k, v
 
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
         """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, no copy."""
@@ -63,14 +77,18 @@ class KVPool:
 
     def fill_except(self, used: list[int], value: float) -> None:
         """Write ``value`` into every slot not listed in ``used`` (flat slot ids)."""
-        keep = torch.zeros(self.k.shape[0] * self.block_size, dtype=torch.bool)
+        num_blocks = self.k.shape[0]
+        keep = torch.zeros(num_blocks * self.block_size, dtype=torch.bool)
         keep[used] = True
-        unused = (~keep).view(self.k.shape[0], self.block_size).to(self.device)  # [num_blocks, block_size]
-        for pool in (self.k, self.v):  # a view [num_blocks, bs, L, H, D]; writes through
+        unused = (~keep).view(num_blocks, self.block_size)  # [num_blocks, block_size]
+        unused = unused.to(self.device)
+        for pool in (self.k, self.v):  # a view [num_blocks, block_size, L, H, D]; writes through
             fill = torch.tensor(value, dtype=pool.dtype, device=self.device)
             _bits(pool).transpose(1, 2)[unused] = _bits(fill)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """An fp8 tensor as ``uint8`` (the same bytes): torch's CPU indexing kernels have no fp8 versions."""
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+    if t.dtype in FP8_DTYPES:
+        return t.view(torch.uint8)
+    return t

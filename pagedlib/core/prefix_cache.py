@@ -19,18 +19,27 @@ class BlockKey:
     __slots__ = ("hash", "parent", "tokens")
 
     def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...]) -> None:
-        self.parent, self.tokens = parent, tokens
-        self.hash = hash((0 if parent is None else parent.hash, tokens))
+        self.parent = parent
+        self.tokens = tokens
+        parent_hash = 0
+        if parent is not None:
+            parent_hash = parent.hash
+        self.hash = hash((parent_hash, tokens))
 
     def __hash__(self) -> int:
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        a, b = self, other
-        while a is not b:  # walk both prefixes back to a shared ancestor (usually at once: the same object)
-            if not (isinstance(a, BlockKey) and isinstance(b, BlockKey) and a.tokens == b.tokens):
+        mine: object = self
+        theirs = other
+        # walk both prefixes back to a shared ancestor (usually at once: the same)
+        while mine is not theirs:
+            if not (isinstance(mine, BlockKey) and isinstance(theirs, BlockKey)):
                 return False
-            a, b = a.parent, b.parent
+            if mine.tokens != theirs.tokens:
+                return False
+            mine = mine.parent
+            theirs = theirs.parent
         return True
 
     def __repr__(self) -> str:
@@ -56,9 +65,12 @@ class PrefixCache:
     def peek(self, token_ids: Sequence[int]) -> list[int]:
         """The registered blocks holding the longest run of full leading blocks of ``token_ids``, at most
         ``len(token_ids) - 1`` tokens (the last one is computed for its logits). Counts nothing."""
-        bs, found, parent = self.block_size, [], None
-        for i in range((len(token_ids) - 1) // bs):
-            block = self.blocks.get(BlockKey(parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+        block_size = self.block_size
+        found: list[int] = []
+        parent = None
+        for index in range((len(token_ids) - 1) // block_size):
+            page = tuple(token_ids[index * block_size:(index + 1) * block_size])
+            block = self.blocks.get(BlockKey(parent, page))
             if block is None:
                 break
             found.append(block)
@@ -72,11 +84,19 @@ class PrefixCache:
         self.hit_tokens += len(found) * self.block_size
         return found
 
-    def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> None:
+    def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
         """``block`` just became full with ``tokens`` after block ``parent``: it gets its key and is found
-        by it, unless another block holds the same content."""
-        self.keys[block] = key = BlockKey(None if parent is None else self.keys[parent], tuple(tokens))
+        by it, unless another block holds the same content (vLLM keeps such a duplicate): ``block``."""
+        if len(tokens) != self.block_size:
+            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, "
+                             f"got {len(tokens)}")
+        parent_key = None
+        if parent is not None:
+            parent_key = self.keys[parent]
+        key = BlockKey(parent_key, tuple(tokens))
+        self.keys[block] = key
         self.blocks.setdefault(key, block)
+        return block
 
     def is_cached(self, block: int) -> bool:
         """``block`` holds content that a lookup can find."""
@@ -92,7 +112,8 @@ class PrefixCache:
 
     def forget(self, block: int) -> None:
         """``block``'s content is gone (it was not cached, or a write into it was rolled back)."""
-        if self.blocks.get(key := self.keys.pop(block, None)) == block:
+        key = self.keys.pop(block, None)
+        if key is not None and self.blocks.get(key) == block:
             del self.blocks[key]
 
     def evict(self) -> int:
@@ -104,6 +125,31 @@ class PrefixCache:
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now."""
-        rate = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-        return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens, "hit_rate": rate,
-                "evicted_blocks": self.evicted_blocks, "cached_blocks": len(self.blocks)}
+        rate = 0.0
+        if self.queried_tokens:
+            rate = self.hit_tokens / self.queried_tokens
+        return {"queried_tokens": self.queried_tokens,
+                "hit_tokens": self.hit_tokens,
+                "hit_rate": rate,
+                "evicted_blocks": self.evicted_blocks,
+                "cached_blocks": len(self.blocks)}
+
+    def check(self, tables: dict, token_ids: dict) -> str | None:
+        """The first broken invariant, or ``None``: every full block of every table has the key of its
+        tokens after its parent, and every block waiting in ``free_queue`` is findable."""
+        block_size = self.block_size
+        for seq_id, table in tables.items():
+            for index in range(len(token_ids[seq_id]) // block_size):
+                block = table[index]
+                key = self.keys.get(block)
+                tokens = tuple(token_ids[seq_id][index * block_size:(index + 1) * block_size])
+                parent = None
+                if index > 0:
+                    parent = self.keys.get(table[index - 1])
+                if key is None or key.tokens != tokens or key.parent != parent:
+                    where = f"full block {block} of sequence {seq_id!r}"
+                    return f"{where} has key {key}, not its tokens"
+        stale = [block for block in self.free_queue if not self.is_cached(block)]
+        if stale:
+            return f"blocks {stale} wait in the prefix cache's queue without cached content"
+        return None
