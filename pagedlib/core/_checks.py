@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
-from pagedlib.core.fp8 import FP8_DTYPES
-from pagedlib.core.fp8 import check_scales as scales  # noqa: F401 - cache.py's checks.scales
 from pagedlib.util import as_int, refuse
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the formats an fp8 cache stores (core/fp8.py)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *FP8_DTYPES)  # f64: oracles
 KV_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 cache quantizes
@@ -157,3 +159,83 @@ def width(tables: list[list[int]], width: object) -> int:
     width = longest if width is None else as_int("width", width)
     refuse((width < longest, f"width must be >= {longest} (the longest table), got {width}"))
     return width
+
+
+# fp8 scales and inputs (core/fp8.py exports check_scale and check_scales: the kernels use them too)
+
+def check_scale(name: str, scale: object, kv_heads: int | None = None,
+                device: torch.device | str | None = None) -> float | torch.Tensor:
+    """``scale`` as the functions here take it: a float from ``None`` (1.0), a number, a numpy scalar, a
+    0-d tensor or array; a float32 ``[kv_heads]`` tensor on ``device`` from a 1-D tensor or array. Every
+    value must be finite and > 0; a bool is refused (not taken as 1.0). ``ValueError`` naming ``name``."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, float) and 0 < scale < math.inf:  # the common case: no tensor made
+        return scale
+    values = scale_values(name, scale, kv_heads)            # a checked tensor, [] or [kv_heads]
+    if values.dim() == 0:
+        return float(values)
+    return values.to(device=device, dtype=torch.float32, copy=True)  # its own: the caller may change theirs
+
+
+def check_scales(k_scale: object, v_scale: object, dtype: torch.dtype, kv_heads: int,
+                 device: torch.device | str) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """A cache's ``(k_scale, v_scale)`` as ``check_scale`` returns them; a cache not in fp8 takes none."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} needs a float8 dtype, got dtype {dtype}")
+    k_scale = check_scale("k_scale", k_scale, kv_heads, device)
+    v_scale = check_scale("v_scale", v_scale, kv_heads, device)
+    return k_scale, v_scale
+
+
+def scale_values(name: str, scale: object, kv_heads: int | None) -> torch.Tensor:
+    """The values of a scale as a tensor (0-d or ``[kv_heads]``, where they were), each finite and > 0."""
+    heads = "kv_heads"
+    if kv_heads is not None:
+        heads = f"kv_heads={kv_heads}"
+    must = f"{name} must be None, a finite number > 0 or a tensor of {heads} of them"
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.Tensor, np.ndarray)):
+        raise ValueError(f"{must}, got {scale!r} ({type(scale).__name__})")
+    try:
+        values = torch.as_tensor(scale).detach()
+    except (TypeError, RuntimeError):  # a numpy array of objects or strings
+        raise ValueError(f"{must}, got {scale!r}") from None
+    if values.dtype == torch.bool or values.is_complex() or values.dim() > 1:
+        raise ValueError(f"{must}, got a {values.dtype} tensor of shape {list(values.shape)}")
+    if values.dim() == 1 and len(values) == 0:
+        raise ValueError(f"{must}, got an empty tensor")
+    if values.dim() == 1 and kv_heads is not None and len(values) != kv_heads:
+        raise ValueError(f"{must}, got a tensor of shape {list(values.shape)}")
+    smallest, largest = torch.aminmax(values)  # one pass (NaN propagates into both, then fails both tests)
+    if not (float(smallest) > 0 and float(largest) < math.inf):
+        raise ValueError(f"{must}, got {scale!r}")
+    return values
+
+
+def check_fp8_input(x: object, scale: object, dtype: torch.dtype | None = None) -> float | torch.Tensor:
+    """``quantize``'s and ``dequantize``'s arguments: ``x`` a tensor, ``dtype`` (if given) an fp8 format,
+    ``scale`` checked (a per-head one must match ``x``'s ``kv_heads``; it is moved to ``x``'s device)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor [..., kv_heads, head_dim], got {type(x).__name__}")
+    if dtype is not None and dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
+    if x.dim() >= 2:
+        return check_scale("scale", scale, x.shape[-2], x.device)
+    scale = check_scale("scale", scale, None, x.device)
+    if isinstance(scale, torch.Tensor):
+        raise ValueError(f"a per-head scale needs x of shape [..., kv_heads, head_dim], got {list(x.shape)}")
+    return scale
+
+
+def check_calibration(x: object, dtype: object, per_kv_head: object) -> None:
+    """``kv_scale``'s arguments: a non-empty floating tensor ``[..., kv_heads, head_dim]``, an fp8 format."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.numel() == 0:
+        got = type(x).__name__
+        if isinstance(x, torch.Tensor):
+            got = f"{x.dtype} {list(x.shape)}"
+        raise ValueError(f"x must be a non-empty floating tensor [..., kv_heads, head_dim], got {got}")
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
+    if not isinstance(per_kv_head, bool):
+        raise ValueError(f"per_kv_head must be a bool, got {per_kv_head!r}")
