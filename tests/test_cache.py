@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, random_kv, snapshot
 
 from pagedlib.core.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
 from pagedlib.util import ceil_div
@@ -23,9 +23,7 @@ def make(num_blocks: int = 12, **kw) -> PagedKVCache:
 
 def kv(n: int | None = None, seed: int = 0, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Random K, V: ``[L, H, D]`` (one token) or ``[L, n, H, D]``."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (L, H, D) if n is None else (L, n, H, D)
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    return random_kv(n, L, H, D, seed=seed, dtype=dtype)
 
 
 # --- construction ---------------------------------------------------------------------------------

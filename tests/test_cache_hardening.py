@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, random_kv, snapshot
 
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.kv_pool import KVPool
@@ -19,8 +19,7 @@ L, BS, H, D = 2, 4, 1, 2
 
 
 def kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g)
+    return random_kv(n, L, H, D, seed=seed)
 
 
 def busy(caching: bool) -> PagedKVCache:

@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing m
 
 import pytest
 import torch
-from helpers import assert_unchanged, snapshot, tiny_llama
+from helpers import assert_unchanged, snapshot, tiny_hf_model, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.engine import Engine
@@ -26,12 +26,8 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 
 def hf_model(family: str, seed: int = 0, **overrides):
-    """A seeded random ``<family>ForCausalLM`` of tiny sizes (``initializer_range=0.25``: varied tokens)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = getattr(transformers, f"{family}Config")(**{**SIZES, "initializer_range": 0.25, **overrides})
-    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    """``tiny_hf_model`` at this file's smaller sizes."""
+    return tiny_hf_model(family, seed, **{**SIZES, **overrides})
 
 
 # -------------------------------------------------------------------------------------------------------
