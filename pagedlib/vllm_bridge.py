@@ -79,6 +79,9 @@ def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
     if budget is None:
         raise ValueError("the engine runs whole prompts (max_num_batched_tokens=None); vLLM V1 always "
                          "chunks them: build the Engine with max_num_batched_tokens to compare")
+    if engine.max_num_seqs > budget:
+        raise ValueError(f"vLLM needs max_num_batched_tokens ({budget}) >= max_num_seqs "
+                         f"({engine.max_num_seqs}): build the Engine with max_num_seqs <= its token budget")
     return BridgeConfig(num_blocks=engine.cache.num_blocks, block_size=engine.cache.block_size,
                         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=budget,
                         enable_prefix_caching=engine.cache.prefix_cache is not None, model=str(model))
