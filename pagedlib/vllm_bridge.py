@@ -49,6 +49,7 @@ class BridgeConfig:
     max_num_batched_tokens: int = 256       # vLLM always chunks prompts (V1): Engine must be given a budget
     enable_prefix_caching: bool = True
     model: str = str(TINY_MODEL)
+    dtype: str = "float32"
 
 
 @dataclass
@@ -166,11 +167,11 @@ def _external(request_id: str) -> str:
 
 
 def build_llm(config: BridgeConfig) -> Any:
-    """A vLLM engine with ``config``'s pool, budget and prefix caching, greedy on float32, no CUDA graphs."""
+    """A vLLM engine with ``config``'s pool, budget and prefix caching, no CUDA graphs, no tokenizer."""
     from vllm import LLM
 
     capacity = config.num_blocks * config.block_size
-    return LLM(model=config.model, skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
+    return LLM(model=config.model, skip_tokenizer_init=True, dtype=config.dtype, seed=0, enforce_eager=True,
                block_size=config.block_size, num_gpu_blocks_override=config.num_blocks + 1,  # + null block
                max_model_len=min(capacity, _max_positions(config.model)),
                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
