@@ -15,6 +15,12 @@ of ``hf_generate``), ``kv_peak_MB`` what held tokens at the fullest moment (the 
 of ``hf_generate``'s cache; blank for generate_batch, which does not report it). ``--kv-cache-dtype
 fp8_e4m3`` gives the engine an fp8 cache (its tokens may then differ). ``same_tokens`` compares each
 method's tokens with ``hf_generate`` one prompt at a time.
+
+``vllm`` (Linux x86_64, CPU, head sizes vLLM's CPU attention takes): vLLM's ``LLM.generate`` in a process of
+its own (``pagedlib.vllm_bridge``), blocks of 32, the same token budget as ``engine_chunked``; ``startup_s``
+is building it, kept out of the timed runs. Its fp32 matrix products (oneDNN) round differently from
+torch's: where two logits are within ~1e-4 of each other a greedy choice can go the other way, and
+``same_tokens`` then reads NO (seen once in 32 prompts on a hidden-1024 model: logits 19.29038 and 19.29009).
 """
 
 from __future__ import annotations
