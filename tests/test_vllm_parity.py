@@ -183,14 +183,13 @@ def test_radix_tree_is_sglangs_not_vllms(tiny, vllm):
     assert [r.hits["second"] for r in theirs if "second" in r.hits] == [32]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pagedlib registers a full block's hash when the model writes its K/V (cache.reserve, inside "
-    "model.step), after the scheduler admitted the step's requests; vLLM registers it when the block is "
-    "scheduled (KVCacheManager.allocate_slots), so a request admitted in the same step already finds it. "
-    "The fix belongs in core/scheduler.py and core/cache.py (register at admission), not in this slice"))
-def test_a_block_scheduled_this_step_is_found_this_step(tiny, vllm):
-    """Two requests with one 40-token system prompt arrive together: vLLM's second request finds the
-    system prompt's first block, which the first request computes in the same forward pass."""
+def test_difference_a_block_becomes_findable_once_its_k_v_are_written(tiny, vllm):
+    """Deliberate difference. Two requests with one 40-token system prompt arrive together. vLLM registers
+    a full block's hash when the block is scheduled (``KVCacheManager.allocate_slots``), so the second
+    request finds the first block, which the first request computes in the same forward pass. pagedlib
+    makes a block findable only once every layer has written its K/V (``BlockManager.reserve`` registers
+    after the forward pass), so that a step interrupted midway leaves no block registered with half-written
+    K/V (issue 30, defect 2): its second request computes the block itself. Same tokens either way."""
     rng = random.Random(10)
     system = tokens(rng, 40)
     workload = [Arrival(f"r{i}", system + tokens(rng, 12), 4) for i in range(2)]
@@ -199,7 +198,7 @@ def test_a_block_scheduled_this_step_is_found_this_step(tiny, vllm):
     theirs, their_tokens = vllm.run(config_of(engine), workload)
     assert our_tokens == their_tokens
     assert theirs[0].hits == {"r0": 0, "r1": 32}
-    assert differences(ours, theirs) == []
+    assert ours[0].hits == {"r0": 0, "r1": 0}
 
 
 def test_bench_generate_has_a_vllm_row_with_the_same_tokens(tmp_path, capsys):
