@@ -200,7 +200,8 @@ class Engine:
             if old.dtype != self.model.dtype:
                 kv_cache_dtype = old.dtype
             self.cache = self.model.new_cache(old.num_blocks, old.block_size, enable_prefix_caching=True,
-                                              kv_cache_dtype=kv_cache_dtype, prefix_cache=old.prefix_cache_kind)
+                                              kv_cache_dtype=kv_cache_dtype,
+                                              prefix_cache=old.prefix_cache_kind)
         self.scheduler = self._new_scheduler()
         self.requests.clear()
         self._in_step = False
@@ -222,8 +223,8 @@ class Engine:
                 held = f" less the watermark of {mark} (1% kept free)"
             raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} needs "
                              f"{request.max_kv_len} token slots (the prompt and every new token but the "
-                             f"last), more than the pool of {num_blocks} blocks{held} x {block_size} = {room} "
-                             f"can ever hold")
+                             f"last), more than the pool of {num_blocks} blocks{held} x {block_size} = "
+                             f"{room} can ever hold")
         return request
 
     def _enqueue(self, request: Request) -> None:

@@ -39,7 +39,7 @@ def assert_idle(engine: Engine) -> None:
     """Every block back on the free stack, no request left."""
     engine.cache.check_invariants()
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
-    assert not engine.cache.seq_lens and not engine.has_unfinished() and not engine.tokens
+    assert not engine.cache.seq_lens and not engine.has_unfinished() and not engine.requests
 
 
 def test_engine_equals_hf_generate_and_generate_batch(ref, model):
@@ -76,7 +76,7 @@ def test_small_pool_preempts_resumes_and_still_equals_hf(ref, model, num_blocks,
         finished += out.finished
         engine.cache.check_invariants()
         for r in engine.scheduler.running:
-            assert engine.cache.seq_lens[r.req_id] == len(engine.tokens[r.req_id]) - 1
+            assert engine.cache.seq_lens[r.req_id] == r.num_tokens - 1
     assert sorted(finished) == ids and preempted and readmitted == preempted
     assert engine.stats.preemptions >= len(preempted)
     assert engine.stats.prefill_tokens > sum(map(len, prompts))       # recomputation happened
@@ -219,8 +219,8 @@ def test_prefix_caching_in_a_small_pool_preempts_resumes_and_equals_hf(model, sh
             preempted |= set(out.preempted)
             engine.cache.check_invariants()
             for r in engine.scheduler.running:
-                assert engine.cache.seq_lens[r.req_id] == len(engine.tokens[r.req_id]) - 1
-                assert not caching or engine.cache.token_ids[r.req_id] == engine.tokens[r.req_id][:-1]
+                assert engine.cache.seq_lens[r.req_id] == r.num_tokens - 1
+                assert not caching or engine.cache.token_ids[r.req_id] == r.token_ids[:-1]
         assert [engine.output(i) for i in ids] == want
         assert preempted and readmitted == preempted and engine.cache.num_free_blocks == num_blocks
         runs[caching] = engine.stats
@@ -274,6 +274,9 @@ def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypa
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()
+    # no request half-moved: each holds the K/V it has computed, and no token was appended
+    assert [len(r.output_tokens) for r in engine.requests.values()] == [1, 0]
+    assert all(engine.cache.seq_lens[r.req_id] == r.num_computed_tokens for r in engine.scheduler.running)
     for call in (engine.step, lambda: engine.generate([[1, 2]], 3), lambda: engine.add_request([1], 2)):
         with pytest.raises(RuntimeError, match=r"raised midway .* call reset\(\)"):
             call()

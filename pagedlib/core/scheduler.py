@@ -60,7 +60,7 @@ class Scheduler:
         self.block_size = cache.block_size
         self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
         self.max_model_len = as_int("max_model_len", max_model_len, minimum=2)
-        self.token_budget = _optional_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_num_batched_tokens = _optional_int("max_num_batched_tokens", max_num_batched_tokens)
         self.chunk_cap = _optional_int("long_prefill_token_threshold", long_prefill_token_threshold)
         self.watermark_blocks = int(float(watermark) * cache.num_blocks)
         self.kv_budget_blocks = cache.num_blocks  # blocks the requests may fill: all of the cache's
@@ -133,8 +133,8 @@ class Scheduler:
     def chunk_size(self, plan: StepPlan, uncomputed: int) -> int:
         """How many of ``uncomputed`` tokens fit in what the step's budget and the chunk cap leave."""
         n = uncomputed
-        if self.token_budget is not None:
-            n = min(n, self.token_budget - plan.num_tokens)
+        if self.max_num_batched_tokens is not None:
+            n = min(n, self.max_num_batched_tokens - plan.num_tokens)
         if self.chunk_cap is not None:
             n = min(n, self.chunk_cap)
         return n

@@ -27,6 +27,9 @@ def check_simulate(requests: Iterable[Request], policy: object, kv_budget_blocks
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     if sliding_window is not None and policy != "paged":
         raise ValueError("sliding_window needs the paged policy (a slab cannot give back its front)")
+    if max_num_batched_tokens is not None and (policy != "paged" or sliding_window is not None):
+        raise ValueError("chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no "
+                         "sliding_window")
     requests = list(requests)
     bad = [type(r).__name__ for r in requests if not isinstance(r, Request)]
     if bad:

@@ -92,6 +92,13 @@ class SlabScheduler(Scheduler):
             return None
         return 0
 
+    def attach(self, request: Request) -> int:
+        try:
+            return super().attach(request)
+        except BaseException:  # the slab placed for it goes back: it stays waiting
+            self.slots.free(request.req_id)
+            raise
+
     def free(self, request: Request) -> None:
         super().free(request)
         self.slots.free(request.req_id)
@@ -106,6 +113,7 @@ def _slab_budget(cache: PagedKVCache, budget: object, max_num_seqs: int) -> int:
         refuse((budget < 1, f"a reservation policy needs a cache of more than max_num_seqs = {max_num_seqs} "
                             f"blocks (one spare block per request), got num_blocks = {cache.num_blocks}"))
     budget = as_int("kv_budget_blocks", budget, minimum=1)
-    refuse((cache.num_blocks < budget + max_num_seqs, "the cache stores a reservation policy's tokens and needs "
+    refuse((cache.num_blocks < budget + max_num_seqs,
+            "the cache stores a reservation policy's tokens and needs "
             f"kv_budget_blocks + max_num_seqs = {budget + max_num_seqs} blocks, it has {cache.num_blocks}"))
     return budget

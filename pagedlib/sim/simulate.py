@@ -285,27 +285,35 @@ def serve(sched: Scheduler, requests: list[Request], occupancy: bool = False, pr
                 sched.add(arrivals.popleft())
             plan = sched.schedule()
             totals.add(plan)
-            window_start = {r.req_id: r.num_computed_tokens - sched.cache.seq_lens[r.req_id] for r in sched.running}
-            write_fake_kv(sched, plan)
+            rows.append(_run_step(sched, plan, step))
             for request, _ in plan.prefill:
                 first.setdefault(request.req_id, step)
             preempted.update(request.req_id for request in plan.preempted)
             for request in plan.sampling:
                 sampled_at[request.req_id].append(step)
-            context = sum(sched.cache.seq_lens[request.req_id] for request, _ in plan.work)
-            rows.append({"step": step, "running": len(sched.running), "waiting": len(sched.waiting),
-                         "preempted": len(plan.preempted), **slot_breakdown(sched, plan.blocked, window_start),
-                         "free": free_slots(sched), "tokens": plan.num_tokens, "context": context})
             if occupancy:
                 pictures.append((step, *_pool_picture(sched)))
             for r in sched.update(plan, [fake_output_token(request) for request, _ in plan.work]):
+                token_steps = tuple(sampled_at.pop(r.req_id))
                 done.append(RequestResult(r.req_id, r.arrival, first[r.req_id], step, r.output_len,
-                                          r.num_computed_tokens, preempted[r.req_id], tuple(sampled_at.pop(r.req_id))))
+                                          r.num_computed_tokens, preempted[r.req_id], token_steps))
                 bar.update()
             step += 1
     if isinstance(sched, WindowScheduler):
         totals.prefill_tokens += sched.skipped_tokens  # computed, though never stored
     return _result(sched, rows, done, pictures, totals)
+
+
+def _run_step(sched: Scheduler, plan: StepPlan, step: int) -> dict[str, int]:
+    """Write the plan's fake K/V; the step's row of ``SimResult.series``."""
+    window_start = {}  # req_id -> position of the first token its cache holds
+    for request in sched.running:
+        window_start[request.req_id] = request.num_computed_tokens - sched.cache.seq_lens[request.req_id]
+    write_fake_kv(sched, plan)
+    context = sum(sched.cache.seq_lens[request.req_id] for request, _ in plan.work)
+    return {"step": step, "running": len(sched.running), "waiting": len(sched.waiting),
+            "preempted": len(plan.preempted), **slot_breakdown(sched, plan.blocked, window_start),
+            "free": free_slots(sched), "tokens": plan.num_tokens, "context": context}
 
 
 def _policy(sched: Scheduler) -> str:
