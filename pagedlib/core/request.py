@@ -27,11 +27,14 @@ class Request:
     prompt_len: int
     output_len: int
     prompt_tokens: tuple[int, ...] | None = None
-    # the state the scheduler changes
-    output_tokens: list[int] = field(default_factory=list, init=False, compare=False)  # sampled so far
-    num_computed_tokens: int = field(default=0, init=False, compare=False)  # K/V stored, or found cached
-    lost_tokens: int = field(default=0, init=False, compare=False)  # K/V its last preemption threw away
-    status: Status = field(default=Status.WAITING, init=False, compare=False)
+    # the state the scheduler changes (not compared, not shown)
+    # sampled so far
+    output_tokens: list[int] = field(default_factory=list, init=False, compare=False, repr=False)
+    # K/V computed: stored, or found cached
+    num_computed_tokens: int = field(default=0, init=False, compare=False, repr=False)
+    # K/V its last preemption threw away
+    lost_tokens: int = field(default=0, init=False, compare=False, repr=False)
+    status: Status = field(default=Status.WAITING, init=False, compare=False, repr=False)
 
     def __hash__(self) -> int:
         return hash(self.req_id)
