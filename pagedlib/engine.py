@@ -20,8 +20,10 @@ from pagedlib.core.scheduler import Scheduler, StepPlan
 from pagedlib.model import PagedLlama, attention_kernel
 from pagedlib.util import as_int
 
-PROGRESS_MIN_TOKENS = 4096  # generate() shows a progress bar from this many new tokens on (progress=None)
-WATERMARK = 0.01  # share of the blocks admission keeps free for running requests to grow into (vLLM's)
+# generate() shows a progress bar from this many new tokens on (progress=None)
+PROGRESS_MIN_TOKENS = 4096
+# share of the blocks admission keeps free for running requests to grow into (vLLM's)
+WATERMARK = 0.01
 
 
 @dataclass
@@ -31,7 +33,7 @@ class EngineStats:
     steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0         # recomputed tokens count again
-    cached_tokens: int = 0          # found in the prefix cache at admission, attached instead of prefilled
+    cached_tokens: int = 0          # found in the prefix cache at admission: attached, not prefilled
     decode_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0            # most blocks held at once
@@ -42,7 +44,7 @@ class EngineStats:
 class StepOutput(NamedTuple):
     """Request ids, by what one ``Engine.step`` did with them (a request may be prefilled and finished)."""
 
-    prefilled: list[int]    # ran a prompt, or a chunk of one (readmitted: prompt and generated tokens)
+    prefilled: list[int]    # ran a prompt or a chunk of one (readmitted: prompt and generated tokens)
     decoded: list[int]      # ran their last sampled token
     preempted: list[int]    # lost their blocks; back at the front of the queue
     finished: list[int]     # all their tokens generated; blocks returned
@@ -63,17 +65,22 @@ class Engine:
             prefill, chunks at most ``long_prefill_token_threshold`` long.
     """
 
-    def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16, attention: str = "torch",
-                 enable_prefix_caching: bool = False, *, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, long_prefill_token_threshold: int | None = None,
+    def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16,
+                 attention: str = "torch", enable_prefix_caching: bool = False, *,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
         num_blocks, block_size, self.max_num_seqs = check_engine(
-            model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching, max_num_seqs)
-        self.token_budget = check_token_budget(max_num_batched_tokens, long_prefill_token_threshold)
-        attention_kernel(attention, model.shape.head_dim)  # refuses a head size the kernel cannot take
+            model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching,
+            max_num_seqs)
+        self.token_budget = check_token_budget(max_num_batched_tokens,
+                                               long_prefill_token_threshold)
+        # refuses a head size the kernel cannot take
+        attention_kernel(attention, model.shape.head_dim)
         self.model = model
         self.attention = attention
-        self.cache = model.new_cache(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+        self.cache = model.new_cache(num_blocks, block_size,
+                                     enable_prefix_caching=enable_prefix_caching,
                                      kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
         self.watermark_blocks = int(WATERMARK * num_blocks)  # the scheduler's rounding
         self.scheduler = self._new_scheduler()
@@ -94,17 +101,20 @@ class Engine:
     def _new_scheduler(self) -> Scheduler:
         budget, cap = self.token_budget
         capacity = self.cache.num_blocks * self.cache.block_size
-        return Scheduler(self.cache, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
-                         long_prefill_token_threshold=cap, watermark=WATERMARK, max_model_len=capacity + 1)
+        return Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
+                         max_num_batched_tokens=budget, long_prefill_token_threshold=cap,
+                         watermark=WATERMARK, max_model_len=capacity + 1)
 
     def _check_idle(self) -> None:
         """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
         if self._generating not in (None, threading.get_ident()):
-            raise RuntimeError("another thread is inside this engine's generate(): an Engine is "
-                               "single-threaded (give each thread its own engine, or serialise the calls)")
+            raise RuntimeError("another thread is inside this engine's generate(): an Engine "
+                               "is single-threaded (give each thread its own engine, or "
+                               "serialise the calls)")
         if self._in_step:
-            raise RuntimeError("the engine's last step() raised midway (or another thread is inside step(): "
-                               "an Engine is single-threaded): call reset() before using it again")
+            raise RuntimeError("the engine's last step() raised midway (or another thread is "
+                               "inside step(): an Engine is single-threaded): call reset() "
+                               "before using it again")
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
@@ -112,6 +122,12 @@ class Engine:
         request = self._request("prompt", prompt, max_new_tokens)
         self._enqueue(request)
         return request.req_id
+
+    def abort(self, req_id: int) -> None:
+        """Stop request ``req_id`` whatever its state (waiting, running, preempted), freeing its blocks;
+        ``output`` still gives the tokens it generated."""
+        self._check_idle()
+        self.scheduler.abort(req_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -128,7 +144,8 @@ class Engine:
         if work:
             ids = [request.req_id for request, _ in work]
             chunks = [request.next_token_ids(n) for request, n in work]
-            logits = self.model.step(self.cache, ids, chunks, attention=self.attention)  # [batch, vocab]
+            # [batch, vocab]
+            logits = self.model.step(self.cache, ids, chunks, attention=self.attention)
             sampled = logits.argmax(-1).tolist()
         self._count(plan)
         finished = [request.req_id for request in self.scheduler.update(plan, sampled)]
@@ -161,8 +178,11 @@ class Engine:
         stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
         Every prompt is checked first: ``ValueError`` for one the pool (less the 1% watermark) cannot hold."""
         self._check_idle()
-        max_new_tokens = check_generate(prompts, max_new_tokens, pending=self.scheduler.has_unfinished)
-        requests = [self._request(f"prompts[{i}]", p, max_new_tokens, i) for i, p in enumerate(prompts)]
+        pending = self.scheduler.has_unfinished
+        max_new_tokens = check_generate(prompts, max_new_tokens, pending=pending)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            requests.append(self._request(f"prompts[{i}]", prompt, max_new_tokens, i))
         self._generating = threading.get_ident()
         try:
             for request in requests:
@@ -199,14 +219,16 @@ class Engine:
             kv_cache_dtype = None
             if old.dtype != self.model.dtype:
                 kv_cache_dtype = old.dtype
-            self.cache = self.model.new_cache(old.num_blocks, old.block_size, enable_prefix_caching=True,
+            self.cache = self.model.new_cache(old.num_blocks, old.block_size,
+                                              enable_prefix_caching=True,
                                               kv_cache_dtype=kv_cache_dtype,
                                               prefix_cache=old.prefix_cache_kind)
         self.scheduler = self._new_scheduler()
         self.requests.clear()
         self._in_step = False
 
-    def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int, offset: int = 0) -> Request:
+    def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int,
+                 offset: int = 0) -> Request:
         """Check one prompt (nothing is queued): the ``Request`` the scheduler will see."""
         tokens = token_list(name, prompt, self.model.shape.vocab_size)
         if not tokens:
@@ -221,10 +243,10 @@ class Engine:
             held = ""
             if mark:
                 held = f" less the watermark of {mark} (1% kept free)"
-            raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} needs "
-                             f"{request.max_kv_len} token slots (the prompt and every new token but the "
-                             f"last), more than the pool of {num_blocks} blocks{held} x {block_size} = "
-                             f"{room} can ever hold")
+            raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} "
+                             f"needs {request.max_kv_len} token slots (the prompt and every new "
+                             f"token but the last), more than the pool of {num_blocks} "
+                             f"blocks{held} x {block_size} = {room} can ever hold")
         return request
 
     def _enqueue(self, request: Request) -> None:

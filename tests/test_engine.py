@@ -285,6 +285,32 @@ def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypa
     assert engine.generate([prompts[4], prompts[7]], 12) == [outs[4][0][:12], outs[7][0][:12]]
 
 
+def test_abort_stops_a_request_in_any_state_and_the_others_run_on(ref, model):
+    # issue 30 item 9: a running, a preempted and a waiting request can each be aborted
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=16, block_size=8, max_num_seqs=2)
+    ids = [engine.add_request(prompts[i], 30) for i in (20, 21, 22, 23)]  # 48-64 tokens each
+    preempted = []
+    for _ in range(100):
+        preempted = engine.step().preempted
+        if preempted:
+            break
+    assert preempted
+    running = [r.req_id for r in engine.scheduler.running]
+    waiting = [r.req_id for r in engine.scheduler.waiting if r.req_id not in preempted]
+    for req_id in (preempted[0], running[0], waiting[0]):
+        engine.abort(req_id)
+        engine.cache.check_invariants()
+    with pytest.raises(ValueError, match="not a waiting or running request"):
+        engine.abort(running[0])
+    while engine.has_unfinished():
+        engine.step()
+    (last,) = set(ids) - {preempted[0], running[0], waiting[0]}
+    assert engine.output(last) == outs[20 + ids.index(last)][0][:30]
+    assert engine.output(running[0]) == outs[20 + ids.index(running[0])][0][:len(engine.output(running[0]))]
+    assert engine.cache.num_free_blocks == 16
+
+
 def test_generate_from_a_second_thread_is_refused_while_the_first_runs(ref, model, monkeypatch):
     import threading
 

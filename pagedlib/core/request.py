@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedlib.util import as_int, refuse
+from pagedlib.util import as_int
 
 
 class Status(enum.Enum):
@@ -46,8 +46,9 @@ class Request:
         self.output_len = as_int("output_len", self.output_len, minimum=1)
         if self.prompt_tokens is not None:
             tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in self.prompt_tokens)
-            refuse((len(tokens) != self.prompt_len,
-                    f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, got {len(tokens)}"))
+            if len(tokens) != self.prompt_len:
+                raise ValueError(f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, "
+                                 f"got {len(tokens)}")
             self.prompt_tokens = tokens
 
     @property

@@ -53,15 +53,18 @@ class Scheduler:
     ``watermark`` of the blocks free for the running requests to grow into."""
 
     def __init__(self, cache: PagedKVCache, *, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, long_prefill_token_threshold: int | None = None,
+                 max_num_batched_tokens: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
                  watermark: float = 0.01, max_model_len: int = 2048) -> None:
         _check_scheduler(cache, watermark, long_prefill_token_threshold, max_num_batched_tokens)
         self.cache = cache
         self.block_size = cache.block_size
         self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
         self.max_model_len = as_int("max_model_len", max_model_len, minimum=2)
-        self.max_num_batched_tokens = _optional_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.chunk_cap = _optional_int("long_prefill_token_threshold", long_prefill_token_threshold)
+        self.max_num_batched_tokens = _optional_int("max_num_batched_tokens",
+                                                    max_num_batched_tokens)
+        self.chunk_cap = _optional_int("long_prefill_token_threshold",
+                                       long_prefill_token_threshold)
         self.watermark_blocks = int(float(watermark) * cache.num_blocks)
         self.kv_budget_blocks = cache.num_blocks  # blocks the requests may fill: all of the cache's
         self.waiting: deque[Request] = deque()
@@ -81,16 +84,16 @@ class Scheduler:
         if request.status is not Status.WAITING or request.output_tokens:
             raise ValueError(f"request {request.req_id} has run before: pass a new Request")
         if self.cache.prefix_cache is not None and request.prompt_tokens is None:
-            raise ValueError(f"request {request.req_id} has no prompt_tokens: prefix caching looks its "
-                             f"blocks up by them")
+            raise ValueError(f"request {request.req_id} has no prompt_tokens: prefix caching "
+                             f"looks its blocks up by them")
         total = request.prompt_len + request.output_len
         if total > self.max_model_len:
             raise ValueError(f"request {request.req_id}: prompt_len + output_len = {total} > "
                              f"max_model_len = {self.max_model_len}")
         need = self.blocks_alone(request)
         if need > self.kv_budget_blocks:
-            raise ValueError(f"request {request.req_id} needs {need} blocks, more than the budget of "
-                             f"{self.kv_budget_blocks}: it could never run")
+            raise ValueError(f"request {request.req_id} needs {need} blocks, more than the "
+                             f"budget of {self.kv_budget_blocks}: it could never run")
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -239,7 +242,8 @@ class Scheduler:
         the computed tokens, append the tokens of the requests that sample, and finish those that have
         all their tokens (freeing their blocks). Returns the finished requests."""
         work = plan.work
-        refuse((len(sampled) != len(work), f"sampled must hold {len(work)} tokens, got {len(sampled)}"))
+        if len(sampled) != len(work):
+            raise ValueError(f"sampled must hold {len(work)} tokens, got {len(sampled)}")
         finished = []
         for (request, n), token in zip(work, sampled):
             if request.status is not Status.RUNNING:
@@ -287,7 +291,8 @@ def _check_scheduler(cache: object, watermark: object, threshold: object, budget
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     if cache.seq_lens:
         raise ValueError(f"cache must be empty: it holds sequences {list(cache.seq_lens)[:8]}")
-    if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
+    fraction = isinstance(watermark, numbers.Real) and not isinstance(watermark, bool)
+    if not fraction or not 0 <= watermark < 1:
         raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
     refuse((threshold is not None and budget is None,
             "long_prefill_token_threshold needs max_num_batched_tokens (a token budget)"))
