@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import ChunkedScheduler, Request
+from pagedlib.core.request import Request
+from pagedlib.core.scheduler import Scheduler
 from pagedlib.engine import Engine
-from pagedlib.sim.simulate import StepCost, new_scheduler, simulate, write_fake_kv
+from pagedlib.sim.simulate import StepCost, new_scheduler, sim_step, simulate, write_fake_kv
+from pagedlib.sim.workloads import fake_output_token, shared_prompt_like
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
 
@@ -55,27 +57,27 @@ def test_the_scheduler_keeps_its_budgets_and_every_request_gets_its_tokens(case)
     step, and every block is free."""
     requests, num_blocks, block_size, options = case
     sched = new_scheduler(requests, "paged", num_blocks, block_size, **options)
-    budget, cap = sched.max_num_batched_tokens, sched.chunk_cap
+    budget = sched.max_num_batched_tokens
+    cap = sched.chunk_cap or budget
     arrivals, sampled, step = sorted(requests, key=lambda r: r.arrival), {r.req_id: [] for r in requests}, 0
     while arrivals or sched.has_unfinished:
         while arrivals and arrivals[0].arrival <= step:
             sched.add(arrivals.pop(0))
-        plan = sched.step()
+        plan = sched.schedule()
         write_fake_kv(sched, plan)
         assert plan.num_tokens <= budget and all(1 <= n <= cap for _, n in plan.prefill)
-        assert plan.partial <= {r.req_id for r, _ in plan.prefill}
+        sampling = plan.sampling
         sched.cache.check_invariants()
+        for r in sampling:
+            sampled[r.req_id].append(step)
+        sched.update(plan, [fake_output_token(r) for r, _ in plan.work])
         for r in sched.running:
             k, v = sched.cache.gather(r.req_id)                                    # [1, n, 1, 1]
             held = sched.cache.seq_lens[r.req_id]
-            assert k.flatten().tolist() == list(range(held))
+            assert k.flatten().tolist() == list(range(held)) and held == r.num_computed_tokens
             assert options["enable_prefix_caching"] or set(v.flatten().tolist()) <= {r.req_id}  # else shared
-            if r.req_id not in plan.partial:
-                assert held == r.prompt_len + sched.generated[r.req_id] - 1
-        for r in plan.scheduled:
-            sampled[r.req_id].append(step)
-            if sched.generated[r.req_id] == r.output_len:
-                sched.finish(r)
+            if r in sampling:
+                assert held == r.num_tokens - 1
         step += 1
         assert step < 2000, "no progress"
     assert {i: len(s) for i, s in sampled.items()} == {r.req_id: r.output_len for r in requests}
@@ -86,16 +88,16 @@ def test_the_scheduler_keeps_its_budgets_and_every_request_gets_its_tokens(case)
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     """Budget 8: step 0 prefills 8 of request 0's 10 tokens; step 1 its last 2 (first token) and request
     1's 3; then request 0 and 1 decode first and request 2's 20-token prompt takes what is left."""
-    sched = ChunkedScheduler(PagedKVCache(20, 1, 4, 1, 1), max_num_batched_tokens=8, watermark=0.0,
-                             max_model_len=64)
+    sched = Scheduler(PagedKVCache(20, 1, 4, 1, 1), max_num_batched_tokens=8, watermark=0.0, max_model_len=64)
     for i, (p, o) in enumerate([(10, 3), (3, 4), (20, 2)]):
         sched.add(Request(i, 0, p, o))
     seen = []
     for _ in range(4):
-        plan = sched.step()
+        plan = sched.schedule()
+        partial = sorted(r.req_id for r, n in plan.prefill if r not in plan.sampling)
+        seen.append(([r.req_id for r in plan.decode], [(r.req_id, n) for r, n in plan.prefill], partial))
         write_fake_kv(sched, plan)
-        seen.append(([r.req_id for r in plan.decode], [(r.req_id, n) for r, n in plan.prefill],
-                     sorted(plan.partial)))
+        sched.update(plan, [fake_output_token(r) for r, _ in plan.work])
     assert seen == [([], [(0, 8)], [0]), ([], [(0, 2), (1, 3), (2, 3)], [2]), ([0, 1], [(2, 6)], [2]),
                     ([0, 1], [(2, 6)], [2])]
 
@@ -103,17 +105,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
 def test_a_request_preempted_mid_prefill_starts_again():
     """Request 1 has 3 of its 12 tokens stored when request 0's decode needs its block back: it loses the
     chunk (recomputed_tokens), waits first in line, and is prefilled from position 0 when it returns."""
-    sched = ChunkedScheduler(PagedKVCache(4, 1, 4, 1, 1), max_num_batched_tokens=4, watermark=0.0,
-                             max_model_len=64)
+    sched = Scheduler(PagedKVCache(4, 1, 4, 1, 1), max_num_batched_tokens=4, watermark=0.0, max_model_len=64)
     sched.add(Request(0, 0, 8, 5))
     sched.add(Request(1, 0, 12, 2))
     plans = []
     while sched.has_unfinished and len(plans) < 40:
-        plans.append(plan := sched.step())
-        write_fake_kv(sched, plan)
-        for r in [r for r in plan.scheduled if sched.generated[r.req_id] == r.output_len]:
-            sched.finish(r)
-    assert sched.num_preemptions >= 1 and sched.recomputed_tokens > 0 and not sched.has_unfinished
+        plans.append(sim_step(sched)[0])
+    recomputed = sum(plan.recomputed_tokens for plan in plans)
+    assert any(plan.preempted for plan in plans) and recomputed > 0 and not sched.has_unfinished
     back = next(i for i, p in enumerate(plans) if p.preempted) + 1
     assert any(r.req_id == 1 for r, _ in plans[back].prefill + plans[back + 1].prefill)
 
@@ -121,14 +120,57 @@ def test_a_request_preempted_mid_prefill_starts_again():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
     (dict(max_num_batched_tokens=8, long_prefill_token_threshold=0), "long_prefill_token_threshold must be"),
-    (dict(max_num_batched_tokens=8, policy="reserve-max", kv_budget_blocks=4, max_num_seqs=4),
-     "needs the 'paged' policy"),
-    (dict(max_num_batched_tokens=8, sliding_window=4), "no sliding_window"),
     (dict(max_num_batched_tokens=True), "must be an int"),
+    (dict(long_prefill_token_threshold=4), "needs max_num_batched_tokens"),
 ])
 def test_bad_token_budgets_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ChunkedScheduler(PagedKVCache(8, 1, 4, 1, 1), **kwargs)
+        Scheduler(PagedKVCache(8, 1, 4, 1, 1), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(policy="reserve-max", max_num_seqs=4), "needs the 'paged' policy"),
+    (dict(policy="paged", sliding_window=4), "no sliding_window"),
+])
+def test_chunking_with_a_slab_or_a_window_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        new_scheduler([Request(0, 0, 4, 2)], kv_budget_blocks=8, block_size=4, max_num_batched_tokens=8,
+                      **kwargs)
+
+
+def test_the_radix_cache_copy_is_counted_at_admission_in_the_simulator():
+    # issue 30 item 1: the partial-block copy took a block admission had reserved for the chunk
+    reqs = shared_prompt_like(40)
+    radix = simulate(reqs, "paged", 47, 16, enable_prefix_caching=True, prefix_cache="radix",
+                     max_num_batched_tokens=16)
+    assert radix.leaked_blocks == 0 and radix.tokens_generated == sum(r.output_len for r in reqs)
+
+
+def test_preempted_mid_prefill_counts_only_what_is_really_recomputed():
+    # issue 30 item 17: a request preempted mid-prefill that found its own blocks again was counted as
+    # recomputing them. Count, per request, the positions computed again below the furthest position it
+    # had computed (or found) before.
+    reqs = shared_prompt_like(3, seed=0, system_len=200)
+    sched = new_scheduler(reqs, "paged", 30, 16, enable_prefix_caching=True, max_num_batched_tokens=24,
+                          watermark=0.0)
+    for r in reqs:
+        sched.add(r)
+    furthest = {r.req_id: 0 for r in reqs}
+    true = reported = preemptions = 0
+    while sched.has_unfinished:
+        plan = sched.schedule()
+        for r, n in plan.prefill:
+            start = r.num_computed_tokens
+            true += max(0, min(start + n, furthest[r.req_id]) - start)
+            furthest[r.req_id] = max(furthest[r.req_id], start + n)
+        for r in plan.decode:
+            furthest[r.req_id] = max(furthest[r.req_id], r.num_computed_tokens + 1)
+        reported += plan.recomputed_tokens
+        preemptions += len(plan.preempted)
+        write_fake_kv(sched, plan)
+        sched.update(plan, [fake_output_token(r) for r, _ in plan.work])
+    assert preemptions > 0 and true > 0
+    assert reported == true
 
 
 def test_latencies_in_steps_and_in_modelled_seconds():

@@ -23,7 +23,7 @@ def assert_idle(engine: Engine) -> None:
     """Every block back on the free stack, no request left."""
     engine.cache.check_invariants()
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
-    assert not engine.cache.seq_lens and not engine.has_unfinished() and not engine.tokens
+    assert not engine.cache.seq_lens and not engine.has_unfinished() and not engine.requests
 
 
 def test_generate_in_a_small_pool_with_one_new_token_and_a_progress_bar(ref, model, capsys):
@@ -153,12 +153,41 @@ def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypa
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()
+    # no request half-moved: each holds the K/V it has computed, and no token was appended
+    assert [len(r.output_tokens) for r in engine.requests.values()] == [1, 0]
+    assert all(engine.cache.seq_lens[r.req_id] == r.num_computed_tokens for r in engine.scheduler.running)
     for call in (engine.step, lambda: engine.generate([[1, 2]], 3), lambda: engine.add_request([1], 2)):
         with pytest.raises(RuntimeError, match=r"raised midway .* call reset\(\)"):
             call()
     engine.reset()
     assert_idle(engine)
     assert engine.generate([prompts[4], prompts[7]], 12) == [outs[4][0][:12], outs[7][0][:12]]
+
+
+def test_abort_stops_a_request_in_any_state_and_the_others_run_on(ref, model):
+    # issue 30 item 9: a running, a preempted and a waiting request can each be aborted
+    _, prompts, outs = ref
+    engine = Engine(model, num_blocks=16, block_size=8, max_num_seqs=2)
+    ids = [engine.add_request(prompts[i], 30) for i in (20, 21, 22, 23)]  # 48-64 tokens each
+    preempted = []
+    for _ in range(100):
+        preempted = engine.step().preempted
+        if preempted:
+            break
+    assert preempted
+    running = [r.req_id for r in engine.scheduler.running]
+    waiting = [r.req_id for r in engine.scheduler.waiting if r.req_id not in preempted]
+    for req_id in (preempted[0], running[0], waiting[0]):
+        engine.abort(req_id)
+        engine.cache.check_invariants()
+    with pytest.raises(ValueError, match="not a waiting or running request"):
+        engine.abort(running[0])
+    while engine.has_unfinished():
+        engine.step()
+    (last,) = set(ids) - {preempted[0], running[0], waiting[0]}
+    assert engine.output(last) == outs[20 + ids.index(last)][0][:30]
+    assert engine.output(running[0]) == outs[20 + ids.index(running[0])][0][:len(engine.output(running[0]))]
+    assert engine.cache.num_free_blocks == 16
 
 
 def test_generate_from_a_second_thread_is_refused_while_the_first_runs(ref, model, monkeypatch):
@@ -194,7 +223,10 @@ def test_numpy_prompts_are_token_lists(ref, model):
     engine = Engine(model, num_blocks=32, block_size=8)
     arrays = [np.array(prompts[5]), np.array(prompts[9], dtype=np.int32), torch.tensor(prompts[11])]
     assert engine.generate(arrays, 5) == [outs[i][0][:5] for i in (5, 9, 11)]
-    assert engine.add_request(np.array(prompts[5], dtype=np.uint16), 2) >= 0
+    req_id = engine.add_request(np.array(prompts[5], dtype=np.uint16), 2)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(req_id) == outs[5][0][:2]
     for bad, match in [(np.array([1.0, 2.0]), "1-D integer"), (np.array([[1, 2]]), "1-D integer"),
                        (np.array([1, 999]), "outside the vocabulary")]:
         with pytest.raises(ValueError, match=match):

@@ -118,14 +118,17 @@ def want(model: str, turn: int, index: int, fp8: bool) -> tuple[int, ...]:
 
 def run_to_end(engine: Engine, prompts: list[list[int]], new_tokens: int,
                budget: int | None) -> list[list[int]]:
-    """Every prompt added, then steps until none is left, each checked: the cache is consistent, a step
-    computes at most ``budget`` tokens, every preempted request is prefilled again."""
+    """Every prompt added, then steps until none is left, each checked: the cache is consistent and holds
+    each running request's computed tokens (never its last sampled one), a step computes at most ``budget``
+    tokens, every preempted request is prefilled again."""
     ids = [engine.add_request(p, new_tokens) for p in prompts]
     preempted, readmitted = set(), set()
     while engine.has_unfinished():
         before = engine.stats.prefill_tokens + engine.stats.decode_tokens
         out = engine.step()
         engine.cache.check_invariants()
+        for request in engine.scheduler.running:  # the cache holds what the request says it computed
+            assert engine.cache.seq_lens[request.req_id] == request.num_computed_tokens < request.num_tokens
         if budget is not None:
             assert engine.stats.prefill_tokens + engine.stats.decode_tokens - before <= budget
         readmitted |= preempted & set(out.prefilled + out.decoded)  # all found again: only a decode left

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from pagedlib.bench.__main__ import main as bench_main
-from pagedlib.core.budgets import POLICIES, FirstFit
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import Request, Scheduler
-from pagedlib.sim.simulate import CATEGORIES, simulate, write_fake_kv
-from pagedlib.sim.workloads import alpaca_like, fake_token_ids, shared_prompt_like, sharegpt_like
+from pagedlib.core.request import Request, Status
+from pagedlib.core.scheduler import Scheduler
+from pagedlib.sim.budgets import POLICIES, FirstFit, SlabScheduler
+from pagedlib.sim.simulate import CATEGORIES, sim_step, simulate, write_fake_kv
+from pagedlib.sim.window import WindowScheduler
+from pagedlib.sim.workloads import alpaca_like, fake_output_token, shared_prompt_like, sharegpt_like
 
 # ------------------------------------------------------------------------------------------------------
 # workloads
@@ -174,16 +176,13 @@ def test_recompute_rewrites_every_token_in_order():
         sched.add(r)
     seen_preempted = False
     while sched.has_unfinished:
-        plan = sched.step()
+        plan, _ = sim_step(sched)
         seen_preempted |= bool(plan.preempted)
-        write_fake_kv(sched, plan)
         for r in sched.running:  # K holds each token's position, V the request id
             k, v = cache.gather(r.req_id)
             assert k.flatten().tolist() == list(range(cache.seq_lens[r.req_id]))
             assert set(v.flatten().tolist()) == {r.req_id}
-        for r in plan.scheduled:
-            if sched.generated[r.req_id] == r.output_len:
-                sched.finish(r)
+            assert r.num_computed_tokens == cache.seq_lens[r.req_id]
     assert seen_preempted and cache.num_free_blocks == 3
     cache.check_invariants()
 
@@ -234,8 +233,8 @@ def test_bad_policy_and_arguments():
         simulate(shared, "reserve-oracle", 40, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="sliding_window cannot"):
         simulate(shared, "paged", 40, sliding_window=8, enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="token_ids"):
-        Scheduler(PagedKVCache(8, 1, 4, 1, 1, enable_prefix_caching=True))
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        Scheduler(PagedKVCache(8, 1, 4, 1, 1, enable_prefix_caching=True)).add(Request(0, 0, 3, 1))
 
 
 def test_a_request_that_can_never_run_is_refused_before_any_work():
@@ -256,22 +255,53 @@ def test_scheduler_misuse():
         Scheduler(busy)
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(cache, max_num_seqs=0)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold needs max_num_batched_tokens"):
+        Scheduler(cache, long_prefill_token_threshold=4)
     with pytest.raises(ValueError, match="sliding_window"):
-        Scheduler(cache, sliding_window=np.float64(4.0))
-    with pytest.raises(ValueError, match="kv_budget_blocks must be 4"):
-        Scheduler(cache, kv_budget_blocks=3)
+        WindowScheduler(cache, np.float64(4.0))
     with pytest.raises(ValueError, match="needs kv_budget_blocks"):
-        Scheduler(cache, policy="reserve-oracle", max_num_seqs=2, kv_budget_blocks=3)
+        SlabScheduler(cache, "reserve-oracle", max_num_seqs=2, kv_budget_blocks=3)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SlabScheduler(cache, "paged")
     sched = Scheduler(cache, max_model_len=16, watermark=0.0)
-    sched.add(Request(0, 0, 2, 1))
+    first = Request(0, 0, 2, 1)
+    sched.add(first)
     with pytest.raises(ValueError, match="already"):
         sched.add(Request(0, 0, 2, 1))
-    with pytest.raises(ValueError, match="not running"):
-        sched.finish(Request(5, 0, 1, 1))
-    plan = sched.step()
-    assert [r.req_id for r, _ in plan.prefill] == [0] and sched.generated[0] == 1
-    with pytest.raises(RuntimeError, match="finish"):
-        sched.step()                         # request 0 has its one token: the runner must finish it
+    with pytest.raises(ValueError, match="req_id 5 is not a waiting or running request"):
+        sched.abort(5)
+    plan = sched.schedule()
+    assert [r.req_id for r, _ in plan.prefill] == [0] and plan.sampling == [first]
+    with pytest.raises(ValueError, match="sampled must hold 1 tokens"):
+        sched.update(plan, [])
+    assert sched.update(plan, [7]) == [first] and first.output_tokens == [7]
+    assert first.status is Status.FINISHED and not sched.has_unfinished and cache.num_free_blocks == 4
+    with pytest.raises(ValueError, match="has run before"):
+        sched.add(first)
+
+
+def test_a_slab_budget_left_by_default_is_explained_in_the_callers_terms():
+    # issue 30 item 14: it said "kv_budget_blocks must be >= 1, got -248", an argument never passed
+    with pytest.raises(ValueError, match=r"more than max_num_seqs = 256 blocks .* got num_blocks = 8") as e:
+        SlabScheduler(PagedKVCache(8, 1, 4, 1, 1), "reserve-max")
+    assert "kv_budget_blocks" not in str(e.value)
+
+
+def test_abort_works_in_every_state():
+    # issue 30 item 9: a waiting, a running and a preempted request can each be aborted
+    cache = PagedKVCache(3, 1, 4, 1, 1)
+    sched = Scheduler(cache, max_model_len=16, watermark=0.0)
+    a, b, c = Request(0, 0, 4, 5), Request(1, 0, 3, 6), Request(2, 0, 9, 1)
+    for r in (a, b, c):
+        sched.add(r)
+    while b.status is not Status.PREEMPTED:
+        sim_step(sched)
+    assert c.status is Status.WAITING and a.status is Status.RUNNING
+    for r in (b, c, a):
+        assert sched.abort(r.req_id) is r and r.status is Status.FINISHED
+        cache.check_invariants()
+    assert not sched.has_unfinished and not sched.waiting and not sched.running
+    assert cache.num_free_blocks == 3 and not cache.seq_lens
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -344,14 +374,17 @@ def test_prefix_hits_hand_computed():
     a, b, c = tokens(1, 10), tokens(1, 8, 100, 3), tokens(1, 4, 200, 5)
     reqs = [Request(0, 0, 10, 4, a), Request(1, 2, 11, 2, b), Request(2, 9, 9, 1, c)]
     cache = PagedKVCache(12, 1, 4, 1, 1, enable_prefix_caching=True)
-    sched = Scheduler(cache, max_model_len=32, watermark=0.0, token_ids=fake_token_ids)
+    sched = Scheduler(cache, max_model_len=32, watermark=0.0)
     prefills = {}
+    cached_tokens = prefill_tokens = 0
     for step in range(12):
         sched_add = [r for r in reqs if r.arrival == step]
         for r in sched_add:
             sched.add(r)
-        plan = sched.step()
+        plan = sched.schedule()
         write_fake_kv(sched, plan)
+        cached_tokens += plan.cached_tokens
+        prefill_tokens += sum(n for _, n in plan.prefill)
         cache.check_invariants()
         prefills.update({r.req_id: (cache.seq_lens[r.req_id] - n, n) for r, n in plan.prefill})
         if any(r.req_id == 1 for r, _ in plan.prefill):          # B shares A's first two blocks
@@ -359,13 +392,11 @@ def test_prefix_hits_hand_computed():
             k, v = cache.gather(1)                                 # K = position, V = who computed it
             assert k.flatten().tolist() == list(range(11))
             assert v.flatten().tolist() == [0] * 8 + [1] * 3
-        for r in plan.scheduled:
-            if sched.generated[r.req_id] == r.output_len:
-                sched.finish(r)
+        sched.update(plan, [fake_output_token(r) for r, _ in plan.work])
     assert prefills == {0: (0, 10), 1: (8, 3), 2: (4, 5)}        # (tokens found, tokens prefilled)
     stats = cache.prefix_cache_stats()
     assert (stats["queried_tokens"], stats["hit_tokens"]) == (10 + 11 + 9, 8 + 4)
-    assert (sched.cached_tokens, sched.prefill_tokens) == (12, 18)
+    assert (cached_tokens, prefill_tokens) == (12, 18)
     assert cache.num_free_blocks == 12 and not cache.seq_lens
 
 

@@ -14,12 +14,14 @@ import pytest
 import pagedlib.bench.serving as serving_cli
 from pagedlib.bench.__main__ import main as bench_main
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import Request, Scheduler
-from pagedlib.sim.simulate import simulate, write_fake_kv
+from pagedlib.core.request import Request
+from pagedlib.core.scheduler import Scheduler
+from pagedlib.sim.budgets import SlabScheduler
+from pagedlib.sim.simulate import sim_step, simulate
+from pagedlib.sim.window import WindowScheduler
 from pagedlib.sim.workloads import (
     LengthModel,
     alpaca_like,
-    fake_token_ids,
     shared_prompt_like,
     sharegpt_like,
     synthetic_workload,
@@ -74,7 +76,7 @@ def test_the_cap_still_caps():
 def test_a_windowed_request_is_checked_against_what_it_holds():
     # window 8, blocks of 4: the request holds at most ceil((8 + 4) / 4) = 3 blocks, not its 26
     long = Request(0, 0, prompt_len=4, output_len=100)
-    sched = Scheduler(PagedKVCache(3, 1, 4, 1, 1), watermark=0.0, max_model_len=128, sliding_window=8)
+    sched = WindowScheduler(PagedKVCache(3, 1, 4, 1, 1), 8, watermark=0.0, max_model_len=128)
     sched.check(long)
     unwindowed = Scheduler(PagedKVCache(3, 1, 4, 1, 1), watermark=0.0, max_model_len=128)
     with pytest.raises(ValueError, match="needs 26 blocks"):
@@ -89,23 +91,20 @@ def test_windowed_requests_preempted_late_come_back_within_their_window():
     # lives, and a readmitted request stores only what its window still sees
     reqs = [Request(0, 0, 20, 60), Request(1, 0, 3, 70)]
     cache = PagedKVCache(5, 1, 4, 1, 1)
-    sched = Scheduler(cache, watermark=0.0, max_model_len=128, sliding_window=8)
+    sched = WindowScheduler(cache, 8, watermark=0.0, max_model_len=128)
     for q in reqs:
         sched.add(q)
-    steps = 0
+    steps = preemptions = 0
     while sched.has_unfinished and steps < 1000:
-        plan = sched.step()
-        write_fake_kv(sched, plan)
+        plan, _ = sim_step(sched)
+        preemptions += len(plan.preempted)
         for r in sched.running:  # K holds each token's position: what is held is the window's tail
             k, _ = cache.gather(r.req_id)
-            start = sched.window_start[r.req_id]
-            assert k.flatten().tolist() == list(range(start, start + cache.seq_lens[r.req_id]))
+            start = r.num_computed_tokens - cache.seq_lens[r.req_id]
+            assert k.flatten().tolist() == list(range(start, r.num_computed_tokens))
             assert len(cache.tables[r.req_id]) <= 5
-        for r in plan.scheduled:
-            if sched.generated[r.req_id] == r.output_len:
-                sched.finish(r)
         steps += 1
-    assert not sched.has_unfinished and sched.num_preemptions > 0 and cache.num_free_blocks == 5
+    assert not sched.has_unfinished and preemptions > 0 and cache.num_free_blocks == 5
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -113,47 +112,78 @@ def test_windowed_requests_preempted_late_come_back_within_their_window():
 
 
 def snapshot(sched: Scheduler) -> tuple:
-    slabs = getattr(sched.budget, "slabs", {})
-    return ([r.req_id for r in sched.waiting], [r.req_id for r in sched.running], dict(sched.generated),
-            dict(sched.cache.seq_lens), sched.cache.num_free_blocks, sched.prefill_tokens,
-            sched.cached_tokens, dict(slabs))
+    slabs = {}
+    if isinstance(sched, SlabScheduler):
+        slabs = dict(sched.slots.slabs)
+    requests = [(r.req_id, r.status, r.num_computed_tokens, list(r.output_tokens))
+                for r in sched.requests.values()]
+    return ([r.req_id for r in sched.waiting], [r.req_id for r in sched.running], requests,
+            dict(sched.cache.seq_lens), sched.cache.num_free_blocks, slabs)
 
 
-@pytest.mark.parametrize("error", [ValueError("bad ids"), KeyboardInterrupt()])
-def test_a_failing_admission_leaves_every_request_waiting(error):
-    fail = {"on": True}
+def fail_on(monkeypatch, cache: PagedKVCache, seq_id: int, error: BaseException) -> dict:
+    """Make ``cache.add_sequence(seq_id, ...)`` raise ``error`` while the returned switch is on."""
+    switch = {"on": True}
+    add_sequence = cache.add_sequence
 
-    def token_ids(request, n):
-        if request.req_id == 1 and fail["on"]:
+    def failing(sid, *args):
+        if sid == seq_id and switch["on"]:
             raise error
-        return fake_token_ids(request, n)
+        return add_sequence(sid, *args)
 
-    sched = Scheduler(PagedKVCache(16, 1, 4, 1, 1, enable_prefix_caching=True), watermark=0.0,
-                      max_model_len=32, token_ids=token_ids)
+    monkeypatch.setattr(cache, "add_sequence", failing)
+    return switch
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+@pytest.mark.parametrize("error", [ValueError("bad ids"), KeyboardInterrupt()])
+def test_a_failing_admission_leaves_every_request_waiting(monkeypatch, error, budget):
+    # issue 30 item 4: the chunked step left a request running with a token and no K/V; both modes now
+    # undo this step's admissions before the error propagates
+    cache = PagedKVCache(16, 1, 4, 1, 1, enable_prefix_caching=True)
+    sched = Scheduler(cache, watermark=0.0, max_model_len=32, max_num_batched_tokens=budget)
     for i in range(3):
-        sched.add(Request(i, 0, 5, 2, tuple(range(10 * i, 10 * i + 5))))
+        sched.add(Request(i, 0, 3, 2, tuple(range(10 * i, 10 * i + 3))))
+    switch = fail_on(monkeypatch, cache, 1, error)
     before = snapshot(sched)
     with pytest.raises(type(error)):
-        sched.step()
+        sched.schedule()
     assert snapshot(sched) == before
-    sched.cache.check_invariants()
-    fail["on"] = False
-    plan = sched.step()                       # and the scheduler works on
+    cache.check_invariants()
+    switch["on"] = False
+    plan, _ = sim_step(sched)                     # and the scheduler works on
     assert [r.req_id for r, _ in plan.prefill] == [0, 1, 2]
+
+
+def test_a_failing_model_step_leaves_the_requests_where_the_plan_found_them():
+    # an interrupt in the forward pass: the plan is lost, no request has advanced, the cache is unchanged
+    # by the step, and the next plan computes the same tokens again
+    cache = PagedKVCache(16, 1, 4, 1, 1)
+    sched = Scheduler(cache, watermark=0.0, max_model_len=32, max_num_batched_tokens=4)
+    for i in range(2):
+        sched.add(Request(i, 0, 6, 2))
+    sim_step(sched)                               # request 0: 4 of its 6 tokens
+    plan = sched.schedule()                       # request 0: 2 more; request 1: its first 2
+    before = snapshot(sched)
+    del plan                                      # the model raised: nothing was written or sampled
+    assert snapshot(sched) == before
+    again, _ = sim_step(sched)
+    assert [(r.req_id, n) for r, n in again.prefill] == [(0, 2), (1, 2)]
+    assert sched.requests[0].output_tokens and not sched.requests[1].output_tokens
 
 
 def test_a_failing_add_sequence_gives_the_slabs_back():
     cache = PagedKVCache(12, 1, 4, 1, 1)
-    sched = Scheduler(cache, policy="reserve-oracle", max_num_seqs=4, kv_budget_blocks=8, max_model_len=32)
+    sched = SlabScheduler(cache, "reserve-oracle", max_num_seqs=4, kv_budget_blocks=8, max_model_len=32)
     for i in range(3):
         sched.add(Request(i, 0, 5, 2))
     cache.add_sequence(1)                     # a caller who touched the cache behind the scheduler's back
     before = snapshot(sched)
     with pytest.raises(ValueError, match="1"):
-        sched.step()
+        sched.schedule()
     assert snapshot(sched) == before
     cache.free_sequence(1)
-    assert [r.req_id for r, _ in sched.step().prefill] == [0, 1, 2]
+    assert [r.req_id for r, _ in sched.schedule().prefill] == [0, 1, 2]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -173,6 +203,13 @@ def test_workload_errors_name_the_argument_given(make, kwargs, name):
     args = {"num_requests": 5, **kwargs}
     with pytest.raises(ValueError, match=f"^{name}"):
         make(**args)
+
+
+def test_shared_prompt_like_names_what_the_caller_passed():
+    # issue 30 item 14: shared_prompt_like(0) said "num_system_prompts must be <= 1, got 2"
+    assert shared_prompt_like(0) == []
+    with pytest.raises(ValueError, match="num_system_prompts must be <= num_requests = 1"):
+        shared_prompt_like(1)
 
 
 def test_the_largest_accepted_values_work():

@@ -9,11 +9,11 @@ import math
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pagedlib.core.budgets import POLICIES, SlabBudget
-from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import Request, Scheduler
-from pagedlib.sim.simulate import CATEGORIES, held_slots, simulate, write_fake_kv
-from pagedlib.sim.workloads import fake_token_ids
+from pagedlib.core.request import Request
+from pagedlib.core.scheduler import Scheduler
+from pagedlib.sim.budgets import POLICIES, SlabScheduler
+from pagedlib.sim.simulate import CATEGORIES, held_slots, new_scheduler, simulate, write_fake_kv
+from pagedlib.sim.workloads import fake_output_token, fake_token_ids
 
 MAX_MODEL_LEN = 40
 
@@ -54,15 +54,16 @@ def check_step(sched: Scheduler, plan, cfg) -> None:
     cache, bs = sched.cache, cfg["block_size"]
     cache.check_invariants()
     assert len(sched.running) <= cfg["max_num_seqs"]
-    if not isinstance(sched.budget, SlabBudget):
+    if not isinstance(sched, SlabScheduler):
         assert cache.num_used_blocks <= cfg["kv_budget_blocks"]
     else:
-        spans = sorted(sched.budget.slabs.values())
+        spans = sorted(sched.slots.slabs.values())
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))       # disjoint
-        assert sched.budget.used_slots <= cfg["kv_budget_blocks"] * bs
+        assert sched.slots.used_slots <= cfg["kv_budget_blocks"] * bs
         assert all(cache.seq_lens[r.req_id] <= held_slots(sched, r) for r in sched.running)
-    for r in sched.running:
-        start, n = sched.window_start[r.req_id], cache.seq_lens[r.req_id]
+    for r in sched.running:  # after the step's writes: its tokens are computed
+        n = cache.seq_lens[r.req_id]
+        start = r.num_computed_tokens + dict(plan.work).get(r, 0) - n
         k, v = cache.gather(r.req_id)                 # K = position, V = request id
         assert k.flatten().tolist() == list(range(start, start + n))
         if cfg["caching"]:  # found blocks hold another request's V, and exactly this request's tokens
@@ -70,7 +71,7 @@ def check_step(sched: Scheduler, plan, cfg) -> None:
             assert set(v.flatten().tolist()) <= set(range(12))
         else:
             assert set(v.flatten().tolist()) <= {r.req_id}
-        assert sched.generated[r.req_id] <= r.output_len
+        assert len(r.output_tokens) < r.output_len
     if cfg["sliding_window"]:
         limit = math.ceil(cfg["sliding_window"] / bs) + 1
         assert all(len(cache.tables[r.req_id]) <= limit for r in plan.decode)
@@ -79,12 +80,11 @@ def check_step(sched: Scheduler, plan, cfg) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=workloads(), cfg=any_config)
 def test_scheduler_invariants_step_by_step(requests, cfg):
-    extra = 0 if cfg["policy"] == "paged" else cfg["max_num_seqs"]
-    cache = PagedKVCache(cfg["kv_budget_blocks"] + extra, 1, cfg["block_size"], 1, 1,
-                         enable_prefix_caching=cfg["caching"])
-    options = {k: v for k, v in cfg.items() if k not in ("block_size", "caching")}
-    token_ids = fake_token_ids if cfg["caching"] else None
-    sched = Scheduler(cache, max_model_len=MAX_MODEL_LEN, token_ids=token_ids, **options)
+    sched = new_scheduler(requests, cfg["policy"], cfg["kv_budget_blocks"], cfg["block_size"],
+                          max_num_seqs=cfg["max_num_seqs"], watermark=cfg["watermark"],
+                          sliding_window=cfg["sliding_window"], max_model_len=MAX_MODEL_LEN,
+                          enable_prefix_caching=cfg["caching"])
+    cache = sched.cache
     pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
     generated, final = {}, {}
     for step in range(10_000):
@@ -92,17 +92,19 @@ def test_scheduler_invariants_step_by_step(requests, cfg):
             sched.add(pending.pop(0))
         if not (pending or sched.has_unfinished):
             break
-        plan = sched.step()
+        plan = sched.schedule()
         write_fake_kv(sched, plan)
         check_step(sched, plan, cfg)
-        for r in plan.scheduled:
-            if sched.generated[r.req_id] == r.output_len:
-                generated[r.req_id] = sched.generated[r.req_id]
-                final[r.req_id] = sched.window_start[r.req_id] + cache.seq_lens[r.req_id]
-                sched.finish(r)
+        for r in sched.update(plan, [fake_output_token(r) for r, _ in plan.work]):
+            generated[r.req_id] = len(r.output_tokens)
+            final[r.req_id] = r.num_computed_tokens
+            if cfg["caching"]:
+                assert r.token_ids == fake_token_ids(r, r.prompt_len + r.output_len)
     assert generated == {r.req_id: r.output_len for r in requests}
     assert final == {r.req_id: r.max_kv_len for r in requests}
-    assert cache.num_free_blocks == cache.num_blocks and not getattr(sched.budget, "slabs", None)
+    assert cache.num_free_blocks == cache.num_blocks
+    if isinstance(sched, SlabScheduler):
+        assert not sched.slots.slabs
     cache.check_invariants()
 
 

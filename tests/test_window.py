@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from helpers import assert_unchanged, snapshot
 
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.window import release_outside_window
 from pagedlib.kernels.attention import paged_attention, sliding_window_attention, sliding_window_mask
+from pagedlib.sim.window import release_outside_window
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 

@@ -12,7 +12,7 @@ from pagedlib.bench.timing import (
     writable_path,
     write_json,
 )
-from pagedlib.core.budgets import POLICIES
+from pagedlib.sim.budgets import POLICIES
 from pagedlib.sim.simulate import CATEGORIES, new_scheduler, simulate
 from pagedlib.sim.workloads import alpaca_like, shared_prompt_like, sharegpt_like
 

@@ -1,32 +1,76 @@
-"""A request to serve (notebooks 07 and 08), like nano-vllm's ``Sequence``."""
+"""A request and everything the scheduler knows about it (notebooks 07-09), like nano-vllm's ``Sequence``
+and vLLM's ``Request``. Its blocks live in the cache, under its ``req_id``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
-from pagedlib.util import as_int, refuse
+from pagedlib.util import as_int
 
 
-@dataclass(frozen=True)
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, never admitted
+    RUNNING = "running"      # holds blocks; decodes or prefills each step
+    PREEMPTED = "preempted"  # lost its blocks; queued again, first
+    FINISHED = "finished"    # all its tokens generated, or aborted
+
+
+@dataclass
 class Request:
-    """Arrives at step ``arrival`` with ``prompt_len`` tokens (ids in ``prompt_tokens``: prefix caching needs
-    them), generates ``output_len``; its K/V peak at ``max_kv_len`` (the last token is never fed back)."""
+    """Arrives at step ``arrival`` with ``prompt_len`` tokens (ids in ``prompt_tokens``: prefix caching
+    and a real model need them) and generates ``output_len``. Its K/V peak at ``max_kv_len`` tokens: the
+    last sampled token is never fed back. Requests compare by what they ask for, not by their state."""
 
     req_id: int
     arrival: int
     prompt_len: int
     output_len: int
     prompt_tokens: tuple[int, ...] | None = None
+    # the state the scheduler changes (not compared, not shown)
+    # sampled so far
+    output_tokens: list[int] = field(default_factory=list, init=False, compare=False, repr=False)
+    # K/V computed: stored, or found cached
+    num_computed_tokens: int = field(default=0, init=False, compare=False, repr=False)
+    # K/V its last preemption threw away
+    lost_tokens: int = field(default=0, init=False, compare=False, repr=False)
+    status: Status = field(default=Status.WAITING, init=False, compare=False, repr=False)
 
-    def __post_init__(self) -> None:  # the argument checks, normalising numpy ints to ints
-        for name, minimum in (("req_id", 0), ("arrival", 0), ("prompt_len", 1), ("output_len", 1)):
-            object.__setattr__(self, name, as_int(name, getattr(self, name), minimum=minimum))
+    def __hash__(self) -> int:
+        return hash(self.req_id)
+
+    def __post_init__(self) -> None:
+        self.req_id = as_int("req_id", self.req_id, minimum=0)
+        self.arrival = as_int("arrival", self.arrival, minimum=0)
+        self.prompt_len = as_int("prompt_len", self.prompt_len, minimum=1)
+        self.output_len = as_int("output_len", self.output_len, minimum=1)
         if self.prompt_tokens is not None:
             tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in self.prompt_tokens)
-            refuse((len(tokens) != self.prompt_len,
-                    f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, got {len(tokens)}"))
-            object.__setattr__(self, "prompt_tokens", tokens)
+            if len(tokens) != self.prompt_len:
+                raise ValueError(f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, "
+                                 f"got {len(tokens)}")
+            self.prompt_tokens = tokens
+
+    @property
+    def num_tokens(self) -> int:  # prompt and generated
+        return self.prompt_len + len(self.output_tokens)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:  # 1 while it decodes
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def max_kv_len(self) -> int:
         return self.prompt_len + self.output_len - 1
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt's token ids, then the sampled ones."""
+        if self.prompt_tokens is None:
+            raise ValueError(f"request {self.req_id} has no prompt_tokens")
+        return list(self.prompt_tokens) + self.output_tokens
+
+    def next_token_ids(self, n: int) -> list[int]:
+        """The ids of the ``n`` tokens after those computed."""
+        start = self.num_computed_tokens
+        return self.token_ids[start:start + n]

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pagedlib.core.budgets import check_policy
-from pagedlib.core.scheduler import Request
+from pagedlib.core.request import Request
+from pagedlib.sim.budgets import POLICIES
 from pagedlib.util import as_int
 
 MAX_REQUESTS = 10**6       # a workload's length (one Request object each)
@@ -19,20 +19,30 @@ MAX_SLOTS = 2**31 - 1      # slot addresses of the budget fit int32 (the pool pi
 
 
 def check_simulate(requests: Iterable[Request], policy: object, kv_budget_blocks: object, block_size: object,
-                   max_num_seqs: object, enable_prefix_caching: object) -> tuple[list, int, int, int]:
-    check_policy(policy)
+                   max_num_seqs: object, enable_prefix_caching: object, sliding_window: object = None,
+                   max_num_batched_tokens: object = None) -> tuple[list, int, int, int]:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+    if sliding_window is not None and policy != "paged":
+        raise ValueError("sliding_window needs the paged policy (a slab cannot give back its front)")
+    if max_num_batched_tokens is not None and (policy != "paged" or sliding_window is not None):
+        raise ValueError("chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no "
+                         "sliding_window")
     requests = list(requests)
-    if bad := [type(r).__name__ for r in requests if not isinstance(r, Request)]:
+    bad = [type(r).__name__ for r in requests if not isinstance(r, Request)]
+    if bad:
         raise ValueError(f"requests must hold Request objects, got {bad[0]}")
     if len({r.req_id for r in requests}) != len(requests):
         raise ValueError("requests must have distinct req_id values")
-    budget, block_size, max_num_seqs = (as_int(k, v, minimum=1) for k, v in (
-        ("kv_budget_blocks", kv_budget_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs)))
+    budget = as_int("kv_budget_blocks", kv_budget_blocks, minimum=1)
+    block_size = as_int("block_size", block_size, minimum=1)
+    max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
     if budget * block_size > MAX_SLOTS:
         raise ValueError(f"kv_budget_blocks * block_size must be <= 2**31 - 1, got {budget * block_size}")
-    if enable_prefix_caching and (missing := [r.req_id for r in requests if r.prompt_tokens is None]):
+    missing = [r.req_id for r in requests if r.prompt_tokens is None]
+    if enable_prefix_caching and missing:
         raise ValueError(f"enable_prefix_caching needs requests with prompt_tokens; requests {missing[:8]} "
                          "have none (shared_prompt_like makes some)")
     return requests, budget, block_size, max_num_seqs
@@ -63,8 +73,11 @@ def check_arrivals(arrivals: np.ndarray, rate: float) -> None:
 def check_shared(num_requests: object, system_len: object, num_system_prompts: object, vocab_size: object,
                  token_base: int) -> tuple[int, int, int]:
     system_len = as_int("system_len", system_len, minimum=1, maximum=2046)  # a user turn and an output left
-    most = max(1, as_int("num_requests", num_requests, minimum=0, maximum=MAX_REQUESTS))
-    k = as_int("num_system_prompts", num_system_prompts, minimum=1, maximum=most)
+    n = as_int("num_requests", num_requests, minimum=0, maximum=MAX_REQUESTS)
+    k = as_int("num_system_prompts", num_system_prompts, minimum=1)
+    if n and k > n:
+        raise ValueError(f"num_system_prompts must be <= num_requests = {n} (each request uses one), got {k}")
+    k = min(k, max(n, 1))  # with no request, no system prompt is drawn beyond one
     vocab_size = as_int("vocab_size", vocab_size, minimum=2, maximum=token_base)
     return system_len, k, vocab_size
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import Request
+from pagedlib.core.request import Request
 from pagedlib.sim import workloads as wl
 from pagedlib.sim.simulate import new_scheduler, serve
 

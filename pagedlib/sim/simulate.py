@@ -1,23 +1,25 @@
-"""The serving simulation of notebooks 07 and 09: ``simulate`` runs the real ``Scheduler`` (or, with a token
-budget, ``ChunkedScheduler``) on a real ``PagedKVCache`` (tiny fake K/V), sorts every slot, every step, into
-the vLLM paper's Figure 2 categories, and times each request's tokens in steps or modelled seconds."""
+"""The serving simulation of notebooks 07 and 09: ``simulate`` runs the real ``Scheduler`` (or the slab and
+sliding-window ones built on it) on a real ``PagedKVCache`` (tiny fake K/V), sorts every slot, every step,
+into the vLLM paper's Figure 2 categories, and times each request's tokens in steps or modelled seconds."""
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from pagedlib.core.budgets import SlabBudget
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.scheduler import ChunkedScheduler, Request, Scheduler, StepPlan
+from pagedlib.core.request import Request
+from pagedlib.core.scheduler import Scheduler, StepPlan
 from pagedlib.sim._checks import check_simulate
-from pagedlib.sim.workloads import fake_token_ids
+from pagedlib.sim.budgets import SlabScheduler
+from pagedlib.sim.window import WindowScheduler
+from pagedlib.sim.workloads import fake_output_token
 from pagedlib.util import ceil_div
 
 #: Where a slot goes (the vLLM paper's Figure 2 categories, defined in notebook 07 and ``slot_breakdown``).
@@ -116,52 +118,75 @@ class SimResult:
         return row
 
 
-def held_slots(sched: Scheduler, r: Request) -> int:
-    """Slots set aside for a running request: its blocks, or its slab."""
-    if isinstance(sched.budget, SlabBudget):
-        return sched.budget.slabs[r.req_id][1]
-    return len(sched.cache.tables[r.req_id]) * sched.block_size
+def held_slots(sched: Scheduler, request: Request) -> int:
+    """Slots set aside for a running request: its slab, or its blocks."""
+    if isinstance(sched, SlabScheduler):
+        return sched.slots.slabs[request.req_id][1]
+    return len(sched.cache.tables[request.req_id]) * sched.block_size
 
 
-def slot_breakdown(sched: Scheduler, blocked: bool) -> dict[str, int]:
+def slot_breakdown(sched: Scheduler, blocked: bool, window_start: dict[int, int]) -> dict[str, int]:
     """Every slot of the budget in use or stranded, by ``CATEGORIES``, after a step's writes; free slots only
-    while a request waits (``blocked``): ``external`` if its slab fits in them. A shared block counts once."""
-    out, seen, slab = dict.fromkeys(CATEGORIES, 0), set(), isinstance(sched.budget, SlabBudget)
-    for r in sched.running:
-        held, first, size = sched.cache.seq_lens[r.req_id], sched.window_start[r.req_id], held_slots(sched, r)
-        future = max(0, min(first + size, r.max_kv_len) - (first + held))  # slots it will still write
-        table = [] if slab else sched.cache.tables[r.req_id]
-        out["token"] += held - sched.block_size * sum(b in seen for b in table)  # counted for a holder before
+    while a request waits (``blocked``): ``external`` if its slab fits in them. A shared block counts once.
+    ``window_start``: request id -> position of the first token its cache holds (a sliding window's)."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    seen: set[int] = set()  # blocks counted for an earlier holder
+    slab = isinstance(sched, SlabScheduler)
+    for request in sched.running:
+        held = sched.cache.seq_lens[request.req_id]
+        first = window_start[request.req_id]
+        size = held_slots(sched, request)
+        future = max(0, min(first + size, request.max_kv_len) - (first + held))  # slots it will still write
+        table = []
+        if not slab:
+            table = sched.cache.tables[request.req_id]
+        out["token"] += held - sched.block_size * sum(block in seen for block in table)
         seen.update(table)
         out["reservation"] += future
         out["internal"] += size - held - future
     if blocked:
         free = free_slots(sched)
-        fits = slab and sched.waiting and free >= sched.budget.reservation(sched.waiting[0])
+        fits = slab and sched.waiting and free >= sched.reservation(sched.waiting[0])
         out["external" if fits else "other"] += free
     return out
 
 
 def free_slots(sched: Scheduler) -> int:
-    b = sched.budget
-    return b.free_slots if isinstance(b, SlabBudget) else sched.cache.num_free_blocks * sched.block_size
+    if isinstance(sched, SlabScheduler):
+        return sched.slots.free_slots
+    return sched.cache.num_free_blocks * sched.block_size
 
 
 def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
     """Write the plan's K/V: K = the token's position, V = its request id (1 layer, 1 head, head_dim 1), so a
-    test can read back what went where; a prefill starts after the tokens the prefix cache found."""
-    cache, caching = sched.cache, sched.cache.prefix_cache is not None
-    for r, n in plan.prefill:
-        start = sched.window_start[r.req_id] + cache.seq_lens[r.req_id]
-        k = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1)
-        ids = fake_token_ids(r, start + n, start) if caching else None
-        cache.append_tokens(r.req_id, k, torch.full_like(k, r.req_id), token_ids=ids)
+    test can read back what went where; a prefill starts after the tokens already computed (or found)."""
+    cache = sched.cache
+    caching = cache.prefix_cache is not None
+    for request, n in plan.prefill:
+        start = request.num_computed_tokens
+        k = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1)  # [layers, n, heads, dim]
+        token_ids = None
+        if caching:
+            token_ids = request.next_token_ids(n)
+        cache.append_tokens(request.req_id, k, torch.full_like(k, request.req_id), token_ids=token_ids)
     if plan.decode:
-        ids = [r.req_id for r in plan.decode]
-        pos = [sched.window_start[i] + cache.seq_lens[i] for i in ids]
-        tokens = [fake_token_ids(r, p + 1, p)[0] for r, p in zip(plan.decode, pos)] if caching else None
-        k = torch.tensor(pos, dtype=cache.dtype).view(1, -1, 1, 1)
-        cache.append_batch(ids, k, torch.tensor(ids, dtype=cache.dtype).view(1, -1, 1, 1), token_ids=tokens)
+        ids = [request.req_id for request in plan.decode]
+        positions = [request.num_computed_tokens for request in plan.decode]
+        token_ids = None
+        if caching:
+            token_ids = [request.next_token_ids(1)[0] for request in plan.decode]
+        k = torch.tensor(positions, dtype=cache.dtype).view(1, -1, 1, 1)  # [layers, batch, heads, dim]
+        v = torch.tensor(ids, dtype=cache.dtype).view(1, -1, 1, 1)
+        cache.append_batch(ids, k, v, token_ids=token_ids)
+
+
+def sim_step(sched: Scheduler) -> tuple[StepPlan, list[Request]]:
+    """One step of a simulated engine: plan it, write its fake K/V, sample made-up tokens. Returns the plan
+    and the requests that finished."""
+    plan = sched.schedule()
+    write_fake_kv(sched, plan)
+    sampled = [fake_output_token(request) for request, _ in plan.work]
+    return plan, sched.update(plan, sampled)
 
 
 def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: int, block_size: int = 16, *,
@@ -169,23 +194,28 @@ def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: in
                   sliding_window: int | None = None, enable_prefix_caching: bool = False,
                   prefix_cache: str = "hash", max_num_batched_tokens: int | None = None,
                   long_prefill_token_threshold: int | None = None) -> Scheduler:
-    """The scheduler ``simulate`` runs, with its cache, every request checked against it (nothing queued);
-    ``max_num_batched_tokens``: a ``ChunkedScheduler`` with that token budget (and chunk cap)."""
+    """The scheduler ``simulate`` runs, with its cache, every request checked against it (nothing queued):
+    a ``SlabScheduler`` for a reservation policy, a ``WindowScheduler`` for a ``sliding_window``, else the
+    paged ``Scheduler`` (``max_num_batched_tokens``: its token budget; ``None``: whole prompts)."""
     requests, budget, block_size, max_num_seqs = check_simulate(
-        requests, policy, kv_budget_blocks, block_size, max_num_seqs, enable_prefix_caching)
+        requests, policy, kv_budget_blocks, block_size, max_num_seqs, enable_prefix_caching, sliding_window,
+        max_num_batched_tokens)
     max_num_seqs = min(max_num_seqs, max(1, len(requests)))  # no more can run: the cap must not size memory
-    extra = 0 if policy == "paged" else max_num_seqs  # a slab's tokens can straddle one block more
-    cache = PagedKVCache(budget + extra, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching,
+    num_blocks = budget
+    if policy != "paged":
+        num_blocks += max_num_seqs  # a slab's tokens can straddle one block more
+    cache = PagedKVCache(num_blocks, 1, block_size, 1, 1, enable_prefix_caching=enable_prefix_caching,
                          prefix_cache=prefix_cache)
-    chunked = {} if max_num_batched_tokens is None else {
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "long_prefill_token_threshold": long_prefill_token_threshold}
-    sched = (ChunkedScheduler if chunked else Scheduler)(
-        cache, policy=policy, max_num_seqs=max_num_seqs, watermark=watermark, max_model_len=max_model_len,
-        kv_budget_blocks=budget, sliding_window=sliding_window,
-        token_ids=fake_token_ids if enable_prefix_caching else None, **chunked)
-    for r in requests:
-        sched.check(r)
+    options = dict(max_num_seqs=max_num_seqs, watermark=watermark, max_model_len=max_model_len)
+    if policy != "paged":
+        sched: Scheduler = SlabScheduler(cache, policy, kv_budget_blocks=budget, **options)
+    elif sliding_window is not None:
+        sched = WindowScheduler(cache, sliding_window, **options)
+    else:
+        sched = Scheduler(cache, max_num_batched_tokens=max_num_batched_tokens,
+                          long_prefill_token_threshold=long_prefill_token_threshold, **options)
+    for request in requests:
+        sched.check(request)
     return sched
 
 
@@ -199,68 +229,122 @@ def simulate(requests: Sequence[Request], policy: str, kv_budget_blocks: int, bl
     return serve(sched, requests, record_occupancy, progress)
 
 
-def _pool_picture(s: Scheduler) -> tuple[np.ndarray, np.ndarray]:
+def _pool_picture(sched: Scheduler) -> tuple[np.ndarray, np.ndarray]:
     """``owner`` (int32, -1 free) and ``filled`` (bool) for each slot of the budget, now."""
-    bs, slots = s.block_size, s.kv_budget_blocks * s.block_size
-    owner, filled = np.full(slots, -1, dtype=np.int32), np.zeros(slots, dtype=bool)
-    for r in s.running:
-        if isinstance(s.budget, SlabBudget):
-            start, size = s.budget.slabs[r.req_id]
+    bs = sched.block_size
+    slots = sched.kv_budget_blocks * bs
+    owner = np.full(slots, -1, dtype=np.int32)
+    filled = np.zeros(slots, dtype=bool)
+    for request in sched.running:
+        if isinstance(sched, SlabScheduler):
+            start, size = sched.slots.slabs[request.req_id]
             at = np.arange(start, start + size)
         else:  # its blocks' slots, in token order
-            at = (np.array(s.cache.tables[r.req_id], dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
-        owner[at], filled[at[:s.cache.seq_lens[r.req_id]]] = r.req_id, True
+            blocks = np.array(sched.cache.tables[request.req_id], dtype=np.int64)
+            at = (blocks[:, None] * bs + np.arange(bs)).ravel()
+        owner[at] = request.req_id
+        filled[at[:sched.cache.seq_lens[request.req_id]]] = True
     return owner, filled
+
+
+@dataclass
+class _Totals:
+    """What ``serve`` adds up over the plans."""
+
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, plan: StepPlan) -> None:
+        self.preemptions += len(plan.preempted)
+        self.recomputed_tokens += plan.recomputed_tokens
+        self.prefill_tokens += sum(n for _, n in plan.prefill)
+        self.cached_tokens += plan.cached_tokens
 
 
 def serve(sched: Scheduler, requests: list[Request], occupancy: bool = False, progress: bool = False
           ) -> SimResult:
-    """Serve ``requests`` by arrival with a scheduler from ``new_scheduler`` until every one has finished."""
+    """Serve ``requests`` (copies: a request carries its run's state) by arrival with a scheduler from
+    ``new_scheduler`` until every one has finished."""
     from tqdm.auto import tqdm
-    rows, first, preempted, done, pictures, sampled = [], {}, Counter(), [], [], defaultdict(list)
-    arrivals, step = deque(sorted(requests, key=lambda r: (r.arrival, r.req_id))), 0
-    with tqdm(total=len(requests), disable=not progress, desc=sched.policy, unit="req") as bar:
+
+    fresh = sorted((replace(request) for request in requests), key=lambda r: (r.arrival, r.req_id))
+    arrivals = deque(fresh)
+    rows, done, pictures = [], [], []
+    first: dict[int, int] = {}  # req_id -> step of its first prefill
+    preempted: Counter[int] = Counter()
+    sampled_at: defaultdict[int, list[int]] = defaultdict(list)  # req_id -> the steps that sampled its tokens
+    totals = _Totals()
+    step = 0
+    with tqdm(total=len(requests), disable=not progress, desc=_policy(sched), unit="req") as bar:
         while arrivals or sched.has_unfinished:
             if not sched.has_unfinished:
                 step = max(step, arrivals[0].arrival)  # idle: jump to the next arrival
             while arrivals and arrivals[0].arrival <= step:
                 sched.add(arrivals.popleft())
-            plan = sched.step()
-            write_fake_kv(sched, plan)
-            first.update((r.req_id, step) for r, _ in plan.prefill if r.req_id not in first)
-            preempted.update(r.req_id for r in plan.preempted)
-            for r in plan.scheduled:
-                sampled[r.req_id].append(step)
-            context = sum(sched.cache.seq_lens[r.req_id] for r in plan.decode + [r for r, _ in plan.prefill])
-            rows.append({"step": step, "running": len(sched.running), "waiting": len(sched.waiting),
-                         "preempted": len(plan.preempted), **slot_breakdown(sched, plan.blocked),
-                         "free": free_slots(sched), "tokens": plan.num_tokens, "context": context})
+            plan = sched.schedule()
+            totals.add(plan)
+            rows.append(_run_step(sched, plan, step))
+            for request, _ in plan.prefill:
+                first.setdefault(request.req_id, step)
+            preempted.update(request.req_id for request in plan.preempted)
+            for request in plan.sampling:
+                sampled_at[request.req_id].append(step)
             if occupancy:
                 pictures.append((step, *_pool_picture(sched)))
-            for r in [r for r in plan.scheduled if sched.generated[r.req_id] == r.output_len]:
-                kv_len = sched.window_start[r.req_id] + sched.cache.seq_lens[r.req_id]
-                done.append(RequestResult(r.req_id, r.arrival, first[r.req_id], step, r.output_len, kv_len,
-                                          preempted[r.req_id], tuple(sampled.pop(r.req_id))))
-                sched.finish(r)
+            for r in sched.update(plan, [fake_output_token(request) for request, _ in plan.work]):
+                token_steps = tuple(sampled_at.pop(r.req_id))
+                done.append(RequestResult(r.req_id, r.arrival, first[r.req_id], step, r.output_len,
+                                          r.num_computed_tokens, preempted[r.req_id], token_steps))
                 bar.update()
             step += 1
-    return _result(sched, rows, done, pictures)
+    if isinstance(sched, WindowScheduler):
+        totals.prefill_tokens += sched.skipped_tokens  # computed, though never stored
+    return _result(sched, rows, done, pictures, totals)
 
 
-def _result(sched: Scheduler, rows: list[dict], done: list[RequestResult], pictures: list) -> SimResult:
+def _run_step(sched: Scheduler, plan: StepPlan, step: int) -> dict[str, int]:
+    """Write the plan's fake K/V; the step's row of ``SimResult.series``."""
+    window_start = {}  # req_id -> position of the first token its cache holds
+    for request in sched.running:
+        window_start[request.req_id] = request.num_computed_tokens - sched.cache.seq_lens[request.req_id]
+    write_fake_kv(sched, plan)
+    context = sum(sched.cache.seq_lens[request.req_id] for request, _ in plan.work)
+    return {"step": step, "running": len(sched.running), "waiting": len(sched.waiting),
+            "preempted": len(plan.preempted), **slot_breakdown(sched, plan.blocked, window_start),
+            "free": free_slots(sched), "tokens": plan.num_tokens, "context": context}
+
+
+def _policy(sched: Scheduler) -> str:
+    if isinstance(sched, SlabScheduler):
+        return sched.policy
+    return "paged"
+
+
+def _result(sched: Scheduler, rows: list[dict], done: list[RequestResult], pictures: list,
+            totals: _Totals) -> SimResult:
     series = {k: np.array([row[k] for row in rows], dtype=np.int64) for k in SERIES}
-    totals = {k: int(series[k].sum()) for k in CATEGORIES}
-    breakdown = {k: v / max(1, sum(totals.values())) for k, v in totals.items()}
-    slabs = ceil_div(sched.budget.used_slots, sched.block_size) if isinstance(sched.budget, SlabBudget) else 0
+    slot_steps = {k: int(series[k].sum()) for k in CATEGORIES}
+    breakdown = {k: v / max(1, sum(slot_steps.values())) for k, v in slot_steps.items()}
+    leaked = sched.cache.num_used_blocks
+    if isinstance(sched, SlabScheduler):
+        leaked += ceil_div(sched.slots.used_slots, sched.block_size)
     running = series["running"]
+    mean_running = float(running.mean()) if len(running) else 0.0
+    mean_latency = float(np.mean([r.finished - r.arrival + 1 for r in done])) if done else 0.0
+    hit_rate = None
+    if sched.cache.prefix_cache is not None:
+        hit_rate = sched.cache.prefix_cache_stats()["hit_rate"]
+    occupancy = None
+    if pictures:
+        occupancy = Occupancy(*map(np.stack, zip(*pictures)))
     return SimResult(
-        policy=sched.policy, block_size=sched.block_size, kv_budget_blocks=sched.kv_budget_blocks,
+        policy=_policy(sched), block_size=sched.block_size, kv_budget_blocks=sched.kv_budget_blocks,
         steps=len(running), kv_utilization=breakdown["token"], breakdown=breakdown,
-        mean_running=float(running.mean()) if len(running) else 0.0, peak_running=int(running.max(initial=0)),
-        preemptions=sched.num_preemptions, recomputed_tokens=sched.recomputed_tokens,
-        tokens_generated=sum(r.generated for r in done),
-        mean_latency=float(np.mean([r.finished - r.arrival + 1 for r in done])) if done else 0.0,
-        leaked_blocks=sched.cache.num_used_blocks + slabs, series=series, requests=sorted(done),
-        occupancy=Occupancy(*map(np.stack, zip(*pictures))) if pictures else None,
-        prefill_tokens=sched.prefill_tokens, cached_tokens=sched.cached_tokens,
-        prefix_cache_hit_rate=sched.cache.prefix_cache_stats()["hit_rate"] if sched.token_ids else None)
+        mean_running=mean_running, peak_running=int(running.max(initial=0)),
+        preemptions=totals.preemptions, recomputed_tokens=totals.recomputed_tokens,
+        tokens_generated=sum(r.generated for r in done), mean_latency=mean_latency,
+        leaked_blocks=leaked, series=series, requests=sorted(done), occupancy=occupancy,
+        prefill_tokens=totals.prefill_tokens, cached_tokens=totals.cached_tokens,
+        prefix_cache_hit_rate=hit_rate)

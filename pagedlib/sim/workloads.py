@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pagedlib.core.scheduler import Request
+from pagedlib.core.request import Request
 from pagedlib.sim._checks import check_arrivals, check_length_model, check_shared, check_sizes, check_workload
 
 
@@ -100,6 +100,11 @@ def fake_token_ids(request: Request, stop: int, start: int = 0) -> list[int]:
         raise ValueError(f"request {request.req_id} has no prompt_tokens (prefix caching needs them)")
     p, base = request.prompt_len, OUTPUT_TOKEN_BASE * (request.req_id + 1)
     return list(request.prompt_tokens[start:stop]) + [base + i for i in range(max(start, p) - p, stop - p)]
+
+
+def fake_output_token(request: Request) -> int:
+    """The made-up id of the next token ``request`` samples in a simulation (``fake_token_ids``' output)."""
+    return OUTPUT_TOKEN_BASE * (request.req_id + 1) + len(request.output_tokens)
 
 
 # Workloads of notebook 11, prefix caching's cases: each request carries its token ids (random ids below

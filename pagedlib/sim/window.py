@@ -1,0 +1,67 @@
+"""Sliding windows (notebook 07): with a window of ``w`` positions (Mistral 7B: 4096) a block wholly before
+the window of a sequence's newest token is never read again, so it goes back to the free stack."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.request import Request
+from pagedlib.core.scheduler import Scheduler, StepPlan
+from pagedlib.util import as_int, ceil_div, refuse
+
+
+def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -> int:
+    """Give back the leading blocks of ``seq_id`` wholly before the window of its newest token. Returns the
+    number of positions released (a multiple of ``block_size``)."""
+    window = as_int("window", window, minimum=1)
+    behind = max(0, cache.seq_lens[seq_id] - window)  # KeyError for an unknown sequence
+    dead = behind // cache.block_size
+    if dead == 0:
+        return 0
+    return len(cache.release_leading_blocks(seq_id, dead)) * cache.block_size
+
+
+class WindowScheduler(Scheduler):
+    """The scheduler for a model with a sliding window of ``sliding_window`` positions: each step first
+    frees the blocks behind every running request's window, and a prefill stores only the blocks the
+    window still sees (a real engine computes the rest too, in chunks, freeing blocks as it goes). A
+    request's cache starts at position ``num_computed_tokens - seq_len``. Whole prompts only."""
+
+    def __init__(self, cache: PagedKVCache, sliding_window: int, **options: Any) -> None:
+        refuse((cache.prefix_cache is not None, "sliding_window cannot be combined with prefix caching (a "
+                "cached block's key names the block before it, which the window would free)"))
+        refuse((options.get("max_num_batched_tokens") is not None,
+                "chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no sliding_window"))
+        super().__init__(cache, **options)
+        self.window = as_int("sliding_window", sliding_window, minimum=1)
+        self.skipped_tokens = 0  # computed at admission but never stored: behind the window already
+
+    def blocks_alone(self, request: Request) -> int:
+        most = min(request.max_kv_len, self.window + self.block_size)  # see first_stored
+        return ceil_div(most, self.block_size) + self.watermark_blocks
+
+    def schedule(self) -> StepPlan:
+        for request in self.running:
+            release_outside_window(self.cache, request.req_id, self.window)
+        return super().schedule()
+
+    def first_stored(self, request: Request) -> int:
+        """Where a prefill of ``request`` starts storing K/V: the first block its window still sees."""
+        behind = max(0, request.num_tokens - self.window)
+        return behind // self.block_size * self.block_size
+
+    def cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        return [], self.first_stored(request)  # the tokens before need no block
+
+    def admission_blocks(self, request: Request, found: list[int], num_tokens: int,
+                         pending: int) -> int | None:
+        stored = num_tokens - self.first_stored(request)
+        return super().admission_blocks(request, found, stored, pending)
+
+    def attach(self, request: Request) -> int:
+        super().attach(request)
+        start = self.first_stored(request)
+        self.skipped_tokens += start
+        return start
