@@ -2,12 +2,14 @@
 
 Read it in the order the engine runs:
 
-- ``core``     the paged KV cache, prefix caching, sliding windows, the step scheduler (notebooks 02, 06, 07)
+- ``core``     the paged KV cache, prefix caching (hashes and a radix tree), the request and the step
+  scheduler (notebooks 02, 06, 08, 09, 11)
 - ``kernels``  attention through a block table: torch paths, a float64 oracle, the Triton kernel (04, 05)
 - ``model``    ``PagedLlama``, a Llama decoder whose attention runs on the paged cache (08)
 - ``engine``   ``Engine``: continuous batching and greedy generation on the scheduler (08)
-- ``sim``      the serving simulation of notebook 07; ``teach`` what only the notebooks need; ``bench``
-  the benchmark commands (``python -m pagedlib.bench``)
+- ``vllm_bridge`` vLLM itself stepped beside ``Engine`` on the same requests (12)
+- ``sim``      the serving simulation (07, 09-11), with notebook 07's slab policies and sliding windows
+- ``teach``    what only the notebooks need; ``bench`` the benchmark commands (``python -m pagedlib.bench``)
 """
 
 from __future__ import annotations

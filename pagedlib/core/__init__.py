@@ -1,3 +1,4 @@
 """The engine's memory: the block manager (``blocks``), the K/V tensors (``kv_pool``), the paged KV cache that
-joins them (``cache``), prefix caching, sliding windows and the step scheduler. It imports nothing from
+joins them (``cache``), prefix caching, the request and the step scheduler (paged only: notebook 07's slab
+policies and sliding windows are in ``sim``). It imports nothing from
 ``sim``, ``teach`` or ``bench``."""
