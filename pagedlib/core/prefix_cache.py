@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedlib.util import as_int
 
@@ -125,14 +126,7 @@ class PrefixCache:
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now."""
-        rate = 0.0
-        if self.queried_tokens:
-            rate = self.hit_tokens / self.queried_tokens
-        return {"queried_tokens": self.queried_tokens,
-                "hit_tokens": self.hit_tokens,
-                "hit_rate": rate,
-                "evicted_blocks": self.evicted_blocks,
-                "cached_blocks": len(self.blocks)}
+        return lookup_stats(self, cached_blocks=len(self.blocks))
 
     def check(self, tables: dict, token_ids: dict) -> str | None:
         """The first broken invariant, or ``None``: every full block of every table has the key of its
@@ -153,3 +147,15 @@ class PrefixCache:
         if stale:
             return f"blocks {stale} wait in the prefix cache's queue without cached content"
         return None
+
+
+def lookup_stats(cache: Any, cached_blocks: int) -> dict[str, float]:
+    """The counters both prefix caches (this one and ``RadixCache``) keep, and the hit rate."""
+    rate = 0.0
+    if cache.queried_tokens:
+        rate = cache.hit_tokens / cache.queried_tokens
+    return {"queried_tokens": cache.queried_tokens,
+            "hit_tokens": cache.hit_tokens,
+            "hit_rate": rate,
+            "evicted_blocks": cache.evicted_blocks,
+            "cached_blocks": cached_blocks}

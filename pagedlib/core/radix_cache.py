@@ -8,6 +8,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pagedlib.core.prefix_cache import lookup_stats
 from pagedlib.util import as_int
 
 
@@ -246,15 +247,9 @@ class RadixCache:
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now, nodes."""
-        rate = 0.0
-        if self.queried_tokens:
-            rate = self.hit_tokens / self.queried_tokens
-        return {"queried_tokens": self.queried_tokens,
-                "hit_tokens": self.hit_tokens,
-                "hit_rate": rate,
-                "evicted_blocks": self.evicted_blocks,
-                "cached_blocks": len(self.node_of),
-                "nodes": len(set(self.node_of.values()))}
+        stats = lookup_stats(self, cached_blocks=len(self.node_of))
+        stats["nodes"] = len(set(self.node_of.values()))
+        return stats
 
     def __eq__(self, other: object) -> bool:  # what PagedKVCache.state_diff compares
         return isinstance(other, RadixCache) and self._state() == other._state()
