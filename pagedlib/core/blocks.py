@@ -40,7 +40,10 @@ class Undo:
     cow_copies: int                                          # the counter before the call
     taken: list[int] = field(default_factory=list)           # blocks allocated, each held once
     seq_ids: list[Hashable] = field(default_factory=list)    # sequences changed, in order
-    tables: list[list[int]] = field(default_factory=list)    # each one's block table before
+    # each one's table before, as its length and last block: a reserve changes a table only from its
+    # last block on (copy-on-write, new blocks, a swapped duplicate), so no copy of the table is needed
+    held: list[int] = field(default_factory=list)
+    last: list[int | None] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)         # each one's length before
     # shared blocks copied away: count before
     copied: dict[int, int] = field(default_factory=dict)
@@ -241,7 +244,8 @@ class BlockManager:
             table = self.tables[seq_id]
             length = self.seq_lens[seq_id]
             undo.seq_ids.append(seq_id)
-            undo.tables.append(list(table))
+            undo.held.append(len(table))
+            undo.last.append(table[-1] if table else None)
             undo.lengths.append(length)
             # the other holders keep the shared last block; this sequence writes a copy
             if copy_last:
@@ -292,12 +296,15 @@ class BlockManager:
             # it was a free cached block: back in the queue, not "used now"
             if self.ref_counts[found] == 0:
                 self.prefix_cache.free_queue[found] = None  # type: ignore[union-attr]
-        for seq_id, table, length in zip(undo.seq_ids, undo.tables, undo.lengths):
-            self.tables[seq_id][:] = table
+        for seq_id, held, last, length in zip(undo.seq_ids, undo.held, undo.last, undo.lengths):
+            table = self.tables[seq_id]
+            del table[max(held - 1, 0):]
+            if last is not None:
+                table.append(last)
             self.seq_lens[seq_id] = length
             del self.token_ids[seq_id][length:]
             if self.prefix_cache is not None and length % self.block_size:
-                self.prefix_cache.forget(table[-1])  # partly filled again
+                self.prefix_cache.forget(last)  # partly filled again
         if self.prefix_cache is not None:
             for block in undo.taken:  # registered just now, or evicted (gone already)
                 self.prefix_cache.forget(block)
