@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedlib import testing
 from pagedlib.core import _checks as checks
 from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
 
@@ -19,10 +20,6 @@ from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.util import as_int
-
-# what state_diff compares
-_STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache",
-          "token_ids")
 
 
 class Slot(NamedTuple):
@@ -245,32 +242,24 @@ class PagedKVCache:
         return self.seq_lens[seq_id] / allocated
 
     def check_invariants(self) -> None:
-        """``BlockManager.check_invariants``: ``InvariantError`` naming the first broken invariant."""
-        self.manager.check_invariants()
+        """``testing.check_invariants``: ``InvariantError`` naming the first broken invariant."""
+        testing.check_invariants(self.manager)
 
     def block_holders(self) -> list[list[Hashable]]:
-        """``holders[b]``: every sequence holding block ``b`` (``ref_count(b)`` of them), in table order."""
-        return [[seq_id for seq_id, _ in entries] for entries in self.manager.holders()]
+        """``testing.block_holders``: every sequence holding each block, in table order."""
+        return testing.block_holders(self)
 
     def block_owners(self) -> list[Hashable | None]:
-        """``owners[b]``: the first sequence holding block ``b``, or ``None`` if it is free."""
-        return [(holders or [None])[0] for holders in self.block_holders()]
+        """``testing.block_owners``: the first sequence holding each block, or ``None`` if it is free."""
+        return testing.block_owners(self)
 
     def fill_unused(self, value: float = float("nan")) -> None:
-        """Write ``value`` into every slot that holds no token (cached free blocks keep their content):
-        attention must ignore those slots, and NaN there makes a test prove it."""
-        used = [slot for seq_id in self.tables for slot in self.manager.slots(seq_id)]
-        kept: list[int] = []  # cached blocks nobody holds
-        if self.prefix_cache is not None:
-            kept = list(self.prefix_cache.free_queue)
-        offsets = range(self.block_size)
-        used += [block * self.block_size + offset for block in kept for offset in offsets]
-        self.pool.fill_except(used, value)
+        """``testing.fill_unused``: ``value`` (NaN) in every slot that holds no token."""
+        testing.fill_unused(self, value)
 
     def state_diff(self, before: PagedKVCache) -> list[str]:
-        """Names of the attributes in which this cache differs from ``before`` (a ``copy.deepcopy``), pools
-        bit for bit with NaN equal to NaN: ``[]`` means a failed call changed nothing."""
-        return [name for name in _STATE if not _same(getattr(self, name), getattr(before, name))]
+        """``testing.state_diff``: the attributes in which this cache differs from ``before``."""
+        return testing.state_diff(self, before)
 
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
@@ -296,15 +285,3 @@ class PagedKVCache:
             lines.append(f"  ... and {len(self.tables) - 8} more sequences")
         return "\n".join(lines)
 
-
-def _same(now: object, before: object) -> bool:
-    """Equal, and for tensors bit for bit with NaN equal to NaN."""
-    if not isinstance(now, torch.Tensor):
-        return now == before
-    if not isinstance(before, torch.Tensor):
-        return False
-    if now.dtype != before.dtype or now.shape != before.shape:
-        return False
-    if torch.equal(now, before):
-        return True
-    return bool(((now == before) | (now.isnan() & before.isnan())).all())
