@@ -1,6 +1,6 @@
 """Tools to test code that uses the paged KV cache, as ``torch.testing`` is for tensors: the invariants of a
 ``BlockManager`` and of both prefix caches, who holds each block, what changed between two states of a
-``PagedKVCache``, and NaN written into every slot that holds no token.
+``PagedKVCache``, NaN written into every slot that holds no token, and the text ``repr(cache)`` shows.
 
 It lives apart from the engine because a request never runs through it: the engine calls none of it, tests,
 notebook checks and widgets do. The objects keep one-line methods that call it (``cache.check_invariants()``,
@@ -237,3 +237,30 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.element_size() == 1:
         return tensor.view(torch.uint8)
     return tensor
+
+
+def describe(cache: Any) -> str:
+    """What ``repr(cache)`` shows of a ``PagedKVCache``: its sizes; its blocks used, free (cached among
+    them), shared and copied; its tokens; the first eight block tables."""
+    dtype = str(cache.dtype).replace("torch.", "")
+    blocks = f"  blocks: {cache.num_used_blocks} used, {cache.num_free_blocks} free"
+    if cache.prefix_cache is not None:
+        blocks += f", {len(cache.prefix_cache.free_queue)} of them cached"
+    if cache.free:
+        blocks += f" (top of stack: {cache.free[-1]})"
+    else:
+        blocks += " (stack empty)"
+    shared = sum(count > 1 for count in cache.ref_counts)
+    if shared or cache.cow_copies:
+        blocks += f", {shared} shared, {cache.cow_copies} copied"
+    lines = [f"PagedKVCache(num_blocks={cache.num_blocks}, num_layers={cache.num_layers}, "
+             f"block_size={cache.block_size}, kv_heads={cache.kv_heads}, "
+             f"head_dim={cache.head_dim}, dtype={dtype}, device={cache.device})",
+             blocks,
+             f"  tokens: {cache.num_tokens} in {cache.num_allocated_slots} allocated slots "
+             f"(utilization {cache.utilization:.0%})"]
+    for seq_id, table in list(cache.tables.items())[:8]:
+        lines.append(f"  seq {seq_id!r}: len {cache.seq_lens[seq_id]}, table {table}")
+    if len(cache.tables) > 8:
+        lines.append(f"  ... and {len(cache.tables) - 8} more sequences")
+    return "\n".join(lines)

@@ -262,26 +262,4 @@ class PagedKVCache:
         return testing.state_diff(self, before)
 
     def __repr__(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        blocks = f"  blocks: {self.num_used_blocks} used, {self.num_free_blocks} free"
-        if self.prefix_cache is not None:
-            blocks += f", {len(self.prefix_cache.free_queue)} of them cached"
-        if self.free:
-            blocks += f" (top of stack: {self.free[-1]})"
-        else:
-            blocks += " (stack empty)"
-        shared = sum(count > 1 for count in self.ref_counts)
-        if shared or self.cow_copies:
-            blocks += f", {shared} shared, {self.cow_copies} copied"
-        lines = [f"PagedKVCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
-                 f"block_size={self.block_size}, kv_heads={self.kv_heads}, "
-                 f"head_dim={self.head_dim}, dtype={dtype}, device={self.device})",
-                 blocks,
-                 f"  tokens: {self.num_tokens} in {self.num_allocated_slots} allocated slots "
-                 f"(utilization {self.utilization:.0%})"]
-        for seq_id, table in list(self.tables.items())[:8]:
-            lines.append(f"  seq {seq_id!r}: len {self.seq_lens[seq_id]}, table {table}")
-        if len(self.tables) > 8:
-            lines.append(f"  ... and {len(self.tables) - 8} more sequences")
-        return "\n".join(lines)
-
+        return testing.describe(self)  # sizes, blocks, tokens, the first eight tables
