@@ -242,24 +242,13 @@ class PagedKVCache:
         return self.seq_lens[seq_id] / allocated
 
     def check_invariants(self) -> None:
-        """``testing.check_invariants``: ``InvariantError`` naming the first broken invariant."""
+        """``testing.check_invariants`` of the block manager: ``InvariantError`` naming the first broken
+        invariant."""
         testing.check_invariants(self.manager)
 
-    def block_holders(self) -> list[list[Hashable]]:
-        """``testing.block_holders``: every sequence holding each block, in table order."""
-        return testing.block_holders(self)
-
-    def block_owners(self) -> list[Hashable | None]:
-        """``testing.block_owners``: the first sequence holding each block, or ``None`` if it is free."""
-        return testing.block_owners(self)
-
-    def fill_unused(self, value: float = float("nan")) -> None:
-        """``testing.fill_unused``: ``value`` (NaN) in every slot that holds no token."""
-        testing.fill_unused(self, value)
-
-    def state_diff(self, before: PagedKVCache) -> list[str]:
-        """``testing.state_diff``: the attributes in which this cache differs from ``before``."""
-        return testing.state_diff(self, before)
-
-    def __repr__(self) -> str:
-        return testing.describe(self)  # sizes, blocks, tokens, the first eight tables
+    # looks inside, for tests, notebook checks and widgets: functions of ``pagedlib.testing`` as methods
+    block_holders = testing.block_holders  # every sequence holding each block, in table order
+    block_owners = testing.block_owners  # the first sequence holding each block, None for a free one
+    fill_unused = testing.fill_unused  # NaN (or ``value``) into every slot that holds no token
+    state_diff = testing.state_diff  # the attributes in which the cache differs from ``before``
+    __repr__ = testing.describe  # sizes, blocks, tokens, the first eight tables
