@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from pagedlib import testing
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.core.radix_cache import RadixCache
+from pagedlib.testing import InvariantError  # noqa: F401 (re-exported: callers import it from here)
 from pagedlib.util import ceil_div
 
 
@@ -27,10 +29,6 @@ class OutOfBlocksError(RuntimeError):
         if self.what:
             where = f" for {self.what}"
         return f"out of KV blocks{where}: {self.needed} needed, {self.free} free"
-
-
-class InvariantError(AssertionError):
-    """``check_invariants`` found the bookkeeping inconsistent (a bug, never bad user input)."""
 
 
 @dataclass
@@ -321,71 +319,9 @@ class BlockManager:
                  for offset in range(block_size)]
         return every[:self.seq_lens[seq_id]]
 
-    def holders(self) -> list[list[tuple[Hashable, int]]]:
-        """``holders[b]``: (sequence, logical index) of every table entry naming block ``b``."""
-        seq_ids = self.tables.keys()
-        if seq_ids != self.seq_lens.keys() or seq_ids != self.token_ids.keys():
-            raise InvariantError("tables, seq_lens and token_ids hold different sequence ids")
-        holders: list[list[tuple[Hashable, int]]] = [[] for _ in range(self.num_blocks)]
-        for seq_id, table in self.tables.items():
-            for index, block in enumerate(table):
-                _check_id(block, self.num_blocks, f"sequence {seq_id!r}")
-                if holders[block] and holders[block][-1][0] == seq_id:
-                    where = f"the table of sequence {seq_id!r}"
-                    raise InvariantError(f"1: block {block} appears twice in {where}")
-                holders[block].append((seq_id, index))
-        return holders
-
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken invariant: 1 reference counts, 2 free blocks,
-        3 block ids, 4 table lengths (notebook 02), 5 shared blocks, 6 prefix caching (notebook 06)."""
-        holders = self.holders()
-        block_size = self.block_size
-        for block, count in enumerate(self.ref_counts):
-            if count != len(holders[block]):
-                names = [seq_id for seq_id, _ in holders[block]]
-                raise InvariantError(f"1: block {block} has reference count {count} but "
-                                     f"{len(names)} tables hold it ({names})")
-        free = list(self.free)
-        if self.prefix_cache is not None:
-            free += list(self.prefix_cache.free_queue)
-        for block in free:
-            _check_id(block, self.num_blocks, "the free stack")
-            if holders[block]:
-                holder = holders[block][0][0]
-                raise InvariantError(f"2: block {block} is held by sequence {holder!r} "
-                                     f"and also on the free stack")
-        if len(set(free)) != len(free):
-            raise InvariantError("2: a block appears twice among the free blocks")
-        unheld = [block for block in range(self.num_blocks) if not holders[block]]
-        if len(unheld) != len(free):
-            leaked = sorted(set(unheld) - set(free))
-            raise InvariantError(f"2: blocks {leaked} are neither free nor held (leaked)")
-        for seq_id, length in self.seq_lens.items():
-            if len(self.tables[seq_id]) != ceil_div(length, block_size):
-                held = len(self.tables[seq_id])
-                want = ceil_div(length, block_size)
-                raise InvariantError(f"4: sequence {seq_id!r} of length {length} holds {held} "
-                                     f"blocks, expected ceil({length}/{block_size}) = {want}")
-        for block, entries in enumerate(holders):
-            fills = {(index, min(block_size, self.seq_lens[seq_id] - index * block_size))
-                     for seq_id, index in entries}
-            if len(fills) > 1:
-                raise InvariantError(f"5: shared block {block} differs between its holders "
-                                     f"{entries} (index, fill)")
-        if self.prefix_cache is not None:
-            self._check_prefix_cache()
-
-    def _check_prefix_cache(self) -> None:
-        """Invariant 6: each sequence's token ids match its length, and its full blocks are findable."""
-        for seq_id in self.tables:
-            known = len(self.token_ids[seq_id])
-            if known != self.seq_lens[seq_id]:
-                raise InvariantError(f"6: sequence {seq_id!r} has {known} token ids "
-                                     f"for {self.seq_lens[seq_id]} tokens")
-        problem = self.prefix_cache.check(self.tables, self.token_ids)  # type: ignore[union-attr]
-        if problem is not None:
-            raise InvariantError(f"6: {problem}")
+    # looks inside, for tests and widgets: functions of ``pagedlib.testing`` as methods
+    holders = testing.holders  # (sequence, logical index) of every table entry naming each block
+    check_invariants = testing.check_invariants  # InvariantError naming the first broken invariant
 
 
 def _what(seq_ids: Sequence[Hashable], counts: Sequence[int]) -> str:
@@ -395,7 +331,3 @@ def _what(seq_ids: Sequence[Hashable], counts: Sequence[int]) -> str:
         return f"sequence {seq_ids[0]!r}"
     return f"{counts[0]} tokens of sequence {seq_ids[0]!r}"
 
-
-def _check_id(block: object, num_blocks: int, where: str) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < num_blocks:
-        raise InvariantError(f"3: {where} has invalid block id {block!r}")

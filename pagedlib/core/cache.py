@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedlib import testing
 from pagedlib.core import _checks as checks
 from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
 
@@ -19,10 +20,6 @@ from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.util import as_int
-
-# what state_diff compares
-_STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache",
-          "token_ids")
 
 
 class Slot(NamedTuple):
@@ -245,66 +242,13 @@ class PagedKVCache:
         return self.seq_lens[seq_id] / allocated
 
     def check_invariants(self) -> None:
-        """``BlockManager.check_invariants``: ``InvariantError`` naming the first broken invariant."""
-        self.manager.check_invariants()
+        """``testing.check_invariants`` of the block manager: ``InvariantError`` naming the first broken
+        invariant."""
+        testing.check_invariants(self.manager)
 
-    def block_holders(self) -> list[list[Hashable]]:
-        """``holders[b]``: every sequence holding block ``b`` (``ref_count(b)`` of them), in table order."""
-        return [[seq_id for seq_id, _ in entries] for entries in self.manager.holders()]
-
-    def block_owners(self) -> list[Hashable | None]:
-        """``owners[b]``: the first sequence holding block ``b``, or ``None`` if it is free."""
-        return [(holders or [None])[0] for holders in self.block_holders()]
-
-    def fill_unused(self, value: float = float("nan")) -> None:
-        """Write ``value`` into every slot that holds no token (cached free blocks keep their content):
-        attention must ignore those slots, and NaN there makes a test prove it."""
-        used = [slot for seq_id in self.tables for slot in self.manager.slots(seq_id)]
-        kept: list[int] = []  # cached blocks nobody holds
-        if self.prefix_cache is not None:
-            kept = list(self.prefix_cache.free_queue)
-        offsets = range(self.block_size)
-        used += [block * self.block_size + offset for block in kept for offset in offsets]
-        self.pool.fill_except(used, value)
-
-    def state_diff(self, before: PagedKVCache) -> list[str]:
-        """Names of the attributes in which this cache differs from ``before`` (a ``copy.deepcopy``), pools
-        bit for bit with NaN equal to NaN: ``[]`` means a failed call changed nothing."""
-        return [name for name in _STATE if not _same(getattr(self, name), getattr(before, name))]
-
-    def __repr__(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        blocks = f"  blocks: {self.num_used_blocks} used, {self.num_free_blocks} free"
-        if self.prefix_cache is not None:
-            blocks += f", {len(self.prefix_cache.free_queue)} of them cached"
-        if self.free:
-            blocks += f" (top of stack: {self.free[-1]})"
-        else:
-            blocks += " (stack empty)"
-        shared = sum(count > 1 for count in self.ref_counts)
-        if shared or self.cow_copies:
-            blocks += f", {shared} shared, {self.cow_copies} copied"
-        lines = [f"PagedKVCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
-                 f"block_size={self.block_size}, kv_heads={self.kv_heads}, "
-                 f"head_dim={self.head_dim}, dtype={dtype}, device={self.device})",
-                 blocks,
-                 f"  tokens: {self.num_tokens} in {self.num_allocated_slots} allocated slots "
-                 f"(utilization {self.utilization:.0%})"]
-        for seq_id, table in list(self.tables.items())[:8]:
-            lines.append(f"  seq {seq_id!r}: len {self.seq_lens[seq_id]}, table {table}")
-        if len(self.tables) > 8:
-            lines.append(f"  ... and {len(self.tables) - 8} more sequences")
-        return "\n".join(lines)
-
-
-def _same(now: object, before: object) -> bool:
-    """Equal, and for tensors bit for bit with NaN equal to NaN."""
-    if not isinstance(now, torch.Tensor):
-        return now == before
-    if not isinstance(before, torch.Tensor):
-        return False
-    if now.dtype != before.dtype or now.shape != before.shape:
-        return False
-    if torch.equal(now, before):
-        return True
-    return bool(((now == before) | (now.isnan() & before.isnan())).all())
+    # looks inside, for tests, notebook checks and widgets: functions of ``pagedlib.testing`` as methods
+    block_holders = testing.block_holders  # every sequence holding each block, in table order
+    block_owners = testing.block_owners  # the first sequence holding each block, None for a free one
+    fill_unused = testing.fill_unused  # NaN (or ``value``) into every slot that holds no token
+    state_diff = testing.state_diff  # the attributes in which the cache differs from ``before``
+    __repr__ = testing.describe  # sizes, blocks, tokens, the first eight tables

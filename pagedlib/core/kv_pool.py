@@ -75,17 +75,6 @@ class KVPool:
         """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, no copy."""
         return self.k[:, l], self.v[:, l]
 
-    def fill_except(self, used: list[int], value: float) -> None:
-        """Write ``value`` into every slot not listed in ``used`` (flat slot ids)."""
-        num_blocks = self.k.shape[0]
-        keep = torch.zeros(num_blocks * self.block_size, dtype=torch.bool)
-        keep[used] = True
-        unused = (~keep).view(num_blocks, self.block_size)  # [num_blocks, block_size]
-        unused = unused.to(self.device)
-        for pool in (self.k, self.v):  # a view [num_blocks, block_size, L, H, D]; writes through
-            fill = torch.tensor(value, dtype=pool.dtype, device=self.device)
-            _bits(pool).transpose(1, 2)[unused] = _bits(fill)
-
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """An fp8 tensor as ``uint8`` (the same bytes): torch's CPU indexing kernels have no fp8 versions."""

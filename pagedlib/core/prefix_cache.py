@@ -128,26 +128,6 @@ class PrefixCache:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now."""
         return lookup_stats(self, cached_blocks=len(self.blocks))
 
-    def check(self, tables: dict, token_ids: dict) -> str | None:
-        """The first broken invariant, or ``None``: every full block of every table has the key of its
-        tokens after its parent, and every block waiting in ``free_queue`` is findable."""
-        block_size = self.block_size
-        for seq_id, table in tables.items():
-            for index in range(len(token_ids[seq_id]) // block_size):
-                block = table[index]
-                key = self.keys.get(block)
-                tokens = tuple(token_ids[seq_id][index * block_size:(index + 1) * block_size])
-                parent = None
-                if index > 0:
-                    parent = self.keys.get(table[index - 1])
-                if key is None or key.tokens != tokens or key.parent != parent:
-                    where = f"full block {block} of sequence {seq_id!r}"
-                    return f"{where} has key {key}, not its tokens"
-        stale = [block for block in self.free_queue if not self.is_cached(block)]
-        if stale:
-            return f"blocks {stale} wait in the prefix cache's queue without cached content"
-        return None
-
 
 def lookup_stats(cache: Any, cached_blocks: int) -> dict[str, float]:
     """The counters both prefix caches (this one and ``RadixCache``) keep, and the hit rate."""

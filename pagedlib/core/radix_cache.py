@@ -8,6 +8,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pagedlib import testing
 from pagedlib.core.prefix_cache import lookup_stats
 from pagedlib.util import as_int
 
@@ -252,54 +253,8 @@ class RadixCache:
         return stats
 
     def __eq__(self, other: object) -> bool:  # what PagedKVCache.state_diff compares
-        return isinstance(other, RadixCache) and self._state() == other._state()
+        if not isinstance(other, RadixCache):
+            return False
+        return testing.radix_state(self) == testing.radix_state(other)
 
-    def _state(self) -> tuple:
-        """What a lookup can find and evict, whatever the cuts between nodes: each block with the block before
-        it, its tokens and its node's age; the free blocks; the counts."""
-        block_size = self.block_size
-        rows = []
-        for block, node in self.node_of.items():
-            index = node.blocks.index(block)
-            before = None
-            if index > 0:
-                before = node.blocks[index - 1]
-            elif node.parent.blocks:  # type: ignore[union-attr]
-                before = node.parent.blocks[-1]  # type: ignore[union-attr]
-            tokens = tuple(node.tokens[index * block_size:(index + 1) * block_size])
-            rows.append((block, before, tokens, node.last_used))
-        counts = (self.queried_tokens, self.hit_tokens, self.evicted_blocks)
-        return sorted(rows), set(self.free_queue), counts
-
-    def check(self, tables: dict, token_ids: dict) -> str | None:
-        """The first broken invariant of the tree, or ``None``: every cached block sits in exactly one node
-        reachable from the root, runs are whole blocks, every full block of a table is the block its
-        tokens walk to (and no partly filled one is cached), and a free block has no held block after it
-        (so eviction can always reach it)."""
-        block_size = self.block_size
-        seen = {}
-        todo = [self.root]
-        while todo:
-            node = todo.pop()
-            empty = node is not self.root and not node.blocks
-            if len(node.tokens) != len(node.blocks) * block_size or empty:
-                return f"a node holds {len(node.tokens)} tokens in {len(node.blocks)} blocks"
-            for key, child in node.children.items():
-                if child.parent is not node or key != tuple(child.tokens[:block_size]):
-                    return f"a child of a node is keyed {key}, not by its first block"
-                todo.append(child)
-            seen.update((block, node) for block in node.blocks)
-        if seen != self.node_of:
-            return f"{len(self.node_of)} blocks are registered, {len(seen)} reachable from the root"
-        for seq_id, table in tables.items():
-            full = len(token_ids[seq_id]) // block_size
-            found = self.peek(token_ids[seq_id] + [0])  # + [0]: every full block may be found
-            if table[:full] != found[:full] or any(block in self.node_of for block in table[full:]):
-                return f"sequence {seq_id!r} holds blocks {table} where its tokens walk to {found}"
-        for block in self.free_queue:
-            node = self.node_of[block]
-            later = node.blocks[node.blocks.index(block):]
-            later += [after for child in node.children.values() for after in child.blocks]
-            if any(after not in self.free_queue for after in later):
-                return f"free block {block} has a held block after it in the tree"
-        return None
+    check = testing.check_radix_cache  # the first broken invariant of the tree, or None (for tests)

@@ -1,0 +1,64 @@
+"""``pagedlib.testing``: the invariant checks find what notebook 06's invariants 5 and 6 forbid, each prefix
+cache's own way, and the functions are the cache's methods (a test may call either)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlib import testing
+from pagedlib.core.blocks import InvariantError as BlocksInvariantError
+from pagedlib.core.cache import InvariantError, PagedKVCache
+
+
+def cache_with(prefix_cache: str | None, tokens: int = 9) -> PagedKVCache:
+    """A cache of block size 4 holding sequence "a" of ``tokens`` tokens (token ids 0, 1, ...)."""
+    cache = PagedKVCache(8, 1, 4, 1, 2, enable_prefix_caching=prefix_cache is not None,
+                         prefix_cache=prefix_cache or "hash")
+    token_ids = list(range(tokens))
+    cache.add_sequence("a", token_ids)
+    k = torch.zeros(1, tokens, 1, 2)  # [num_layers, n, kv_heads, head_dim]
+    cache.append_tokens("a", k, k, token_ids=token_ids)
+    cache.check_invariants()
+    return cache
+
+
+def test_the_error_is_one_class_wherever_it_is_imported_from():
+    assert InvariantError is BlocksInvariantError is testing.InvariantError
+    assert issubclass(InvariantError, AssertionError)
+
+
+def test_a_shared_block_filled_differently_breaks_invariant_5():
+    cache = cache_with(None, tokens=6)
+    cache.fork("a", "b")
+    cache.seq_lens["b"] = 5  # still 2 blocks (invariant 4 holds), but block 2 holds 2 tokens for a, 1 for b
+    with pytest.raises(InvariantError, match="^5: shared block"):
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
+def test_token_ids_that_do_not_match_the_length_break_invariant_6(prefix_cache):
+    cache = cache_with(prefix_cache)
+    cache.token_ids["a"].pop()
+    with pytest.raises(InvariantError, match="^6: sequence 'a' has 8 token ids for 9 tokens"):
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("prefix_cache, forget, message", [
+    ("hash", lambda tree: tree.keys.clear(), "has key None, not its tokens"),
+    ("radix", lambda tree: tree.node_of.clear(), "0 blocks are registered, 2 reachable from the root"),
+])
+def test_each_prefix_cache_is_checked_by_its_own_check(prefix_cache, forget, message):
+    cache = cache_with(prefix_cache)
+    forget(cache.prefix_cache)
+    with pytest.raises(InvariantError, match=f"^6: .*{message}"):
+        cache.check_invariants()
+
+
+def test_the_methods_are_the_testing_functions():
+    cache = cache_with("radix")
+    assert cache.block_holders() == testing.block_holders(cache)
+    assert cache.block_owners() == ["a", "a", "a"] + [None] * 5
+    assert repr(cache) == testing.describe(cache)
+    assert cache.prefix_cache.check(cache.tables, cache.token_ids) is None
+    assert cache.manager.holders() == testing.holders(cache.manager)
