@@ -12,7 +12,7 @@ from helpers import assert_unchanged, snapshot
 
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import paged_attention, sliding_window_attention, sliding_window_mask
-from pagedlib.sim.window import release_outside_window
+from pagedlib.sim.window import release_leading_blocks, release_outside_window
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
@@ -39,7 +39,7 @@ def test_release_leading_blocks():
     cache.append_tokens("s", torch.arange(13.0).view(1, 13, 1, 1).expand(1, 13, 1, 2).contiguous(),
                         torch.zeros(1, 13, 1, 2))
     assert cache.tables["s"] == [3, 6, 1, 0]
-    assert cache.release_leading_blocks("s", 2) == [3, 6]
+    assert release_leading_blocks(cache, "s", 2) == [3, 6]
     assert cache.tables["s"] == [1, 0] and cache.seq_lens["s"] == 5 and cache.free[-1] == 3
     cache.check_invariants()
     k, _ = cache.gather("s")
@@ -47,12 +47,12 @@ def test_release_leading_blocks():
     snap = snapshot(cache)
     for bad in (2, -1, 1.0, True):                                # only 1 full block is left
         with pytest.raises(ValueError, match="n must be"):
-            cache.release_leading_blocks("s", bad)
+            release_leading_blocks(cache, "s", bad)
         assert_unchanged(cache, snap)
     with pytest.raises(KeyError):
-        cache.release_leading_blocks("t", 0)
+        release_leading_blocks(cache, "t", 0)
     assert_unchanged(cache, snap)
-    assert cache.release_leading_blocks("s", 0) == []
+    assert release_leading_blocks(cache, "s", 0) == []
     assert_unchanged(cache, snap)
 
 
@@ -138,7 +138,7 @@ def test_release_leading_blocks_refuses_shared_blocks():
     cache.fork("p", "c")
     snap = snapshot(cache)
     with pytest.raises(ValueError, match="shared"):
-        cache.release_leading_blocks("c", 2)
+        release_leading_blocks(cache, "c", 2)
     assert_unchanged(cache, snap)
 
 
@@ -148,5 +148,5 @@ def test_release_leading_blocks_refuses_a_prefix_cache():
     cache.append_tokens("s", torch.ones(1, 9, 1, 2), torch.ones(1, 9, 1, 2), token_ids=list(range(9)))
     snap = snapshot(cache)
     with pytest.raises(ValueError, match="prefix caching"):
-        cache.release_leading_blocks("s", 1)
+        release_leading_blocks(cache, "s", 1)
     assert_unchanged(cache, snap)

@@ -137,16 +137,6 @@ def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple
     return ids, counts, token_ids(cache, "token_ids", tokens, sum(counts))
 
 
-def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
-    seq(cache, seq_id)
-    shared = [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]
-    refuse((cache.prefix_cache is not None, "release_leading_blocks needs a cache without prefix caching "
-                                            "(enable_prefix_caching=False)"),
-           (shared, f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; blocks {shared} "
-                    f"are shared (fork)"))
-    return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)
-
-
 def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:
     i = as_int(name, i)
     if not lo <= i < hi:

@@ -191,13 +191,6 @@ class BlockManager:
         del self.token_ids[seq_id]
         return self.release(self.tables.pop(seq_id))
 
-    def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Give back and return the first ``n`` blocks (full, unshared): ``n * block_size`` tokens less."""
-        blocks = self.tables[seq_id][:n]
-        del self.tables[seq_id][:n]
-        self.seq_lens[seq_id] -= n * self.block_size
-        return self.release(blocks)
-
     def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
                 token_ids: Sequence[int] | None = None,
                 write: Callable[[list, list], None] | None = None) -> tuple[list[list[int]], list]:

@@ -178,11 +178,6 @@ class PagedKVCache:
         checks.seq(self, seq_id)
         return self.manager.free_sequence(seq_id)
 
-    def release_leading_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Checked ``BlockManager.release_leading_blocks`` (a sliding window; prefix caching off)."""
-        n = checks.leading_blocks(self, seq_id, n)
-        return self.manager.release_leading_blocks(seq_id, n)
-
     def slot(self, seq_id: Hashable, pos: int) -> Slot:
         """``Slot(block, offset)`` of token ``pos`` (``0 <= pos < seq_len``)."""
         checks.seq(self, seq_id)

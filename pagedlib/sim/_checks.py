@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 
+from pagedlib.core.cache import UnknownSequenceError
 from pagedlib.core.request import Request
 from pagedlib.sim.budgets import POLICIES
-from pagedlib.util import as_int
+from pagedlib.util import as_int, refuse
 
 MAX_REQUESTS = 10**6       # a workload's length (one Request object each)
 MAX_MODEL_LEN = 2**40      # lengths stay far inside int64
@@ -86,3 +87,15 @@ def check_sizes(**sizes: object) -> tuple[int, ...]:
     """Each named size as an int >= 1 (``num_*`` counts, ``*_len`` lengths, ``vocab_size``), in order."""
     return tuple(as_int(name, value, minimum=1, maximum=MAX_REQUESTS if name.startswith("num") else
                         MAX_MODEL_LEN) for name, value in sizes.items())
+
+
+def check_leading_blocks(cache, seq_id: Hashable, n: object) -> int:
+    """``n`` as an int the blocks of ``seq_id`` allow: full blocks held by it alone, no prefix caching."""
+    if seq_id not in cache.seq_lens:
+        raise UnknownSequenceError(seq_id, cache.seq_lens)
+    shared = [block for block in cache.tables[seq_id] if cache.ref_counts[block] > 1]
+    refuse((cache.prefix_cache is not None, "release_leading_blocks needs a cache without prefix caching "
+                                            "(enable_prefix_caching=False)"),
+           (shared, f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; blocks {shared} "
+                    f"are shared (fork)"))
+    return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)

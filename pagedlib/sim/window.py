@@ -9,7 +9,20 @@ from typing import Any
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler, StepPlan
+from pagedlib.sim._checks import check_leading_blocks
 from pagedlib.util import as_int, ceil_div, refuse
+
+
+def release_leading_blocks(cache: PagedKVCache, seq_id: Hashable, n: int) -> list[int]:
+    """Give back and return the first ``n`` blocks of ``seq_id`` (full, held by it alone): the sequence keeps
+    its newest ``seq_len - n * block_size`` positions. Refused with prefix caching, whose keys chain each
+    block to the one before it."""
+    n = check_leading_blocks(cache, seq_id, n)
+    manager = cache.manager
+    blocks = manager.tables[seq_id][:n]
+    del manager.tables[seq_id][:n]
+    manager.seq_lens[seq_id] -= n * cache.block_size
+    return manager.release(blocks)
 
 
 def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -> int:
@@ -20,7 +33,7 @@ def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -
     dead = behind // cache.block_size
     if dead == 0:
         return 0
-    return len(cache.release_leading_blocks(seq_id, dead)) * cache.block_size
+    return len(release_leading_blocks(cache, seq_id, dead)) * cache.block_size
 
 
 class WindowScheduler(Scheduler):
