@@ -1,8 +1,9 @@
-"""Argument checks of the model and the engine (the neutral ``as_int``, ``ceil_div`` and ``refuse`` are in
-``pagedlib.util``)."""
+"""Argument checks of the model and the engine, and the engine's refusal of a second thread or of a call
+after a failed step (the neutral ``as_int``, ``ceil_div`` and ``refuse`` are in ``pagedlib.util``)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,7 +78,7 @@ def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
 
 def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str
                ) -> tuple[list[Any], list[list[int]]]:
-    check_attention(attention)
+    check_attention(attention, head_dim=model.shape.head_dim)
     check_model_dtype(model.dtype)
     shape = model.shape
     dtype = cache.dtype
@@ -115,12 +116,20 @@ def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype | None = None) 
     return dtype
 
 
-def check_attention(attention: object, block_size: int = 1) -> None:
+def check_attention(attention: object, block_size: int = 1, head_dim: int = 1) -> None:
+    """``attention`` one of the two paths; the Triton kernel's limits on ``block_size`` and ``head_dim``."""
     if attention not in ("torch", "triton"):
         raise ValueError(f"attention must be one of ('torch', 'triton'), got {attention!r}")
-    if attention == "triton" and (block_size > 128 or block_size & (block_size - 1)):
+    if attention == "torch":
+        return
+    if block_size > 128 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
                          f"got {block_size}")
+    from pagedlib.kernels.triton_decode import MAX_HEAD_DIM  # imports triton: only when asked for
+
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for the Triton kernel, "
+                         f"the model has {head_dim}")
 
 
 def check_generate(prompts: object, max_new_tokens: object, pending: bool) -> int:
@@ -141,7 +150,7 @@ def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int
     check_model_dtype(model.dtype)
     num_blocks = as_int("num_blocks", num_blocks, minimum=1)
     block_size = as_int("block_size", block_size, minimum=1)
-    check_attention(attention, block_size)
+    check_attention(attention, block_size, model.shape.head_dim)
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
@@ -157,3 +166,39 @@ def check_token_budget(budget: object, threshold: object) -> tuple[int | None, i
     if threshold is not None:
         threshold = as_int("long_prefill_token_threshold", threshold, minimum=1)
     return budget, threshold
+
+
+def check_prompt(engine: Any, name: str, prompt: Any, max_new_tokens: object) -> tuple[list[int], int]:
+    """``prompt`` as token ids and ``max_new_tokens`` as an int, refused if the prompt is empty or if
+    ``engine``'s pool, less the admission watermark, could never hold it with its new tokens."""
+    tokens = token_list(name, prompt, engine.model.shape.vocab_size)
+    if not tokens:
+        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
+    num_blocks = engine.cache.num_blocks
+    block_size = engine.cache.block_size
+    mark = engine.watermark_blocks
+    room = (num_blocks - mark) * block_size
+    needed = len(tokens) + max_new_tokens - 1  # the prompt and every new token but the last
+    if needed > room:
+        held = ""
+        if mark:
+            held = f" less the watermark of {mark} (1% kept free)"
+        raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} "
+                         f"needs {needed} token slots (the prompt and every new "
+                         f"token but the last), more than the pool of {num_blocks} "
+                         f"blocks{held} x {block_size} = {room} can ever hold")
+    return tokens, max_new_tokens
+
+
+def check_idle(generating: int | None, in_step: bool) -> None:
+    """Refuse a call from a second thread (``generating``: the thread inside ``Engine.generate``), or after a
+    step that raised (``in_step``): a cheap check, not a lock."""
+    if generating not in (None, threading.get_ident()):
+        raise RuntimeError("another thread is inside this engine's generate(): an Engine "
+                           "is single-threaded (give each thread its own engine, or "
+                           "serialise the calls)")
+    if in_step:
+        raise RuntimeError("the engine's last step() raised midway (or another thread is "
+                           "inside step(): an Engine is single-threaded): call reset() "
+                           "before using it again")

@@ -14,11 +14,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedlib.checks import check_engine, check_generate, check_token_budget, token_list
+from pagedlib import checks
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler, StepPlan
-from pagedlib.model import PagedLlama, attention_kernel
-from pagedlib.util import as_int
+from pagedlib.model import PagedLlama
 
 # generate() shows a progress bar from this many new tokens on (progress=None)
 PROGRESS_MIN_TOKENS = 4096
@@ -70,13 +69,11 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
-        num_blocks, block_size, self.max_num_seqs = check_engine(
+        num_blocks, block_size, self.max_num_seqs = checks.check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching,
             max_num_seqs)
-        self.token_budget = check_token_budget(max_num_batched_tokens,
-                                               long_prefill_token_threshold)
-        # refuses a head size the kernel cannot take
-        attention_kernel(attention, model.shape.head_dim)
+        self.token_budget = checks.check_token_budget(max_num_batched_tokens,
+                                                      long_prefill_token_threshold)
         self.model = model
         self.attention = attention
         self.cache = model.new_cache(num_blocks, block_size,
@@ -91,12 +88,10 @@ class Engine:
         self._in_step = False  # True inside step(), and after one that raised
 
     @classmethod
-    def from_hf(cls, hf_model: Any, num_blocks: int, block_size: int = 16, attention: str = "torch",
-                enable_prefix_caching: bool = False, **kwargs: Any) -> Engine:
-        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes (``kwargs``: the
-        keywords of ``Engine``, ``max_num_batched_tokens`` among them)."""
-        model = PagedLlama.from_hf(hf_model)
-        return cls(model, num_blocks, block_size, attention, enable_prefix_caching, **kwargs)
+    def from_hf(cls, hf_model: Any, *args: Any, **kwargs: Any) -> Engine:
+        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes (``args``,
+        ``kwargs``: those of ``Engine`` after ``model``, ``num_blocks`` first)."""
+        return cls(PagedLlama.from_hf(hf_model), *args, **kwargs)
 
     def _new_scheduler(self) -> Scheduler:
         budget, cap = self.token_budget
@@ -107,14 +102,7 @@ class Engine:
 
     def _check_idle(self) -> None:
         """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
-        if self._generating not in (None, threading.get_ident()):
-            raise RuntimeError("another thread is inside this engine's generate(): an Engine "
-                               "is single-threaded (give each thread its own engine, or "
-                               "serialise the calls)")
-        if self._in_step:
-            raise RuntimeError("the engine's last step() raised midway (or another thread is "
-                               "inside step(): an Engine is single-threaded): call reset() "
-                               "before using it again")
+        checks.check_idle(self._generating, self._in_step)
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
@@ -179,7 +167,7 @@ class Engine:
         Every prompt is checked first: ``ValueError`` for one the pool (less the 1% watermark) cannot hold."""
         self._check_idle()
         pending = self.scheduler.has_unfinished
-        max_new_tokens = check_generate(prompts, max_new_tokens, pending=pending)
+        max_new_tokens = checks.check_generate(prompts, max_new_tokens, pending=pending)
         requests = []
         for i, prompt in enumerate(prompts):
             requests.append(self._request(f"prompts[{i}]", prompt, max_new_tokens, i))
@@ -200,10 +188,9 @@ class Engine:
     def _drain(self, total: int, progress: bool | None) -> None:
         from tqdm.auto import tqdm
 
-        show = bool(progress)
         if progress is None:
-            show = total >= PROGRESS_MIN_TOKENS
-        with tqdm(total=total, disable=not show, desc="generate", unit="tok") as bar:
+            progress = total >= PROGRESS_MIN_TOKENS
+        with tqdm(total=total, disable=not progress, desc="generate", unit="tok") as bar:
             while self.scheduler.has_unfinished:
                 before = self.stats.generated_tokens
                 self.step()
@@ -216,12 +203,10 @@ class Engine:
             self.cache.free_sequence(seq_id)
         old = self.cache
         if old.prefix_cache is not None:
-            kv_cache_dtype = None
-            if old.dtype != self.model.dtype:
-                kv_cache_dtype = old.dtype
+            # the model's own dtype as kv_cache_dtype means no quantization, as None does
             self.cache = self.model.new_cache(old.num_blocks, old.block_size,
                                               enable_prefix_caching=True,
-                                              kv_cache_dtype=kv_cache_dtype,
+                                              kv_cache_dtype=old.dtype,
                                               prefix_cache=old.prefix_cache_kind)
         self.scheduler = self._new_scheduler()
         self.requests.clear()
@@ -230,24 +215,8 @@ class Engine:
     def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int,
                  offset: int = 0) -> Request:
         """Check one prompt (nothing is queued): the ``Request`` the scheduler will see."""
-        tokens = token_list(name, prompt, self.model.shape.vocab_size)
-        if not tokens:
-            raise ValueError(f"{name} is empty: a prompt needs at least one token")
-        max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
-        request = Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))
-        num_blocks = self.cache.num_blocks
-        block_size = self.cache.block_size
-        mark = self.watermark_blocks
-        room = (num_blocks - mark) * block_size
-        if request.max_kv_len > room:
-            held = ""
-            if mark:
-                held = f" less the watermark of {mark} (1% kept free)"
-            raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} "
-                             f"needs {request.max_kv_len} token slots (the prompt and every new "
-                             f"token but the last), more than the pool of {num_blocks} "
-                             f"blocks{held} x {block_size} = {room} can ever hold")
-        return request
+        tokens, max_new_tokens = checks.check_prompt(self, name, prompt, max_new_tokens)
+        return Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))
 
     def _enqueue(self, request: Request) -> None:
         self.scheduler.add(request)

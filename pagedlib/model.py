@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlib import checks
+from pagedlib import checks, loader
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.varlen import Piece, attend_varlen, plan_varlen
 
@@ -40,28 +40,13 @@ class LlamaShape:
     @classmethod
     def from_hf(cls, config: Any) -> LlamaShape:
         """Read a transformers config; ``ValueError`` naming a field this model does not implement."""
-        checks.check_hf_config(config)
-        rope = getattr(config, "rope_parameters", None) or {}
-        heads = config.num_attention_heads
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=config.num_key_value_heads or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+        return cls(**loader.shape_fields(config))
 
 
 @dataclass
 class Step:
     """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and how they attend."""
 
-    seq_ids: list[Hashable]
     tokens: torch.Tensor              # int64 [T]
     positions: torch.Tensor           # int64 [T]
     blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
@@ -115,18 +100,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attention_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor] | None:
+def attention_kernel(attention: str) -> Callable[..., torch.Tensor] | None:
     """``None`` for ``"torch"`` (``Step.attend`` calls ``attend_varlen``), or ``paged_attention_varlen``'s
-    Triton twin (``"triton"``: imported when asked)."""
-    checks.check_attention(attention)
+    Triton twin (``"triton"``: imported when asked). ``attention`` is checked already (``check_step``)."""
     if attention == "torch":
         return None
-    from pagedlib.kernels import triton_decode
-
-    if head_dim > triton_decode.MAX_HEAD_DIM:
-        most = triton_decode.MAX_HEAD_DIM
-        raise ValueError(f"head_dim must be at most {most} for the Triton kernel, "
-                         f"the model has {head_dim}")
     from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
 
     return paged_attention_varlen_triton
@@ -138,21 +116,22 @@ class Attention(nn.Module):
     def __init__(self, shape: LlamaShape, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = shape.num_heads
-        self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
-        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=False)
-        self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+        q_size = shape.num_heads * shape.head_dim
+        kv_size = shape.num_kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, q_size, bias=False)
+        self.k_proj = nn.Linear(shape.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(shape.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
                 cache: PagedKVCache) -> torch.Tensor:
         """``x``: ``[T, hidden]`` -> ``[T, hidden]``."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)          # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
+        # the projections' heads: -1 is Hq for q, Hkv for k and v
+        q = self.q_proj(x).view(T, -1, self.head_dim)                      # [T, Hq, D]
+        k = self.k_proj(x).view(T, -1, self.head_dim)                      # [T, Hkv, D]
+        v = self.v_proj(x).view(T, -1, self.head_dim)                      # [T, Hkv, D]
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
         k_pool, v_pool = cache.layer(self.layer)              # [num_blocks, block_size, Hkv, D]
@@ -160,7 +139,7 @@ class Attention(nn.Module):
         k_pool[step.blocks, step.offsets] = k                 # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
         out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, -1))                # [T, Hq * D] -> [T, hidden]
 
 
 class MLP(nn.Module):
@@ -212,11 +191,8 @@ class PagedLlama(nn.Module):
                 device: torch.device | str | None = None) -> PagedLlama:
         """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
         checks.check_hf_model(hf_model)
-        first = next(hf_model.parameters())
-        dtype = dtype or first.dtype
-        device = device or first.device
-        state_dict = hf_model.state_dict()
-        return cls.from_state_dict(hf_model.config, state_dict, dtype=dtype, device=device)
+        dtype, device = loader.dtype_and_device(hf_model, dtype, device)
+        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype, device=device)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
@@ -225,16 +201,8 @@ class PagedLlama(nn.Module):
         """Build from a config and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes and a
         missing tied ``lm_head.weight`` are fine); ``ValueError`` naming unknown or missing weights."""
         shape = LlamaShape.from_hf(config)
-        checks.check_model_dtype(dtype)
-        model = cls(shape)
-        state = {}
-        for name, weight in state_dict.items():
-            if "rotary_emb" not in name:  # transformers' rotary buffers: computed here
-                state[name.removeprefix("model.")] = weight
-        if shape.tie_word_embeddings and "embed_tokens.weight" in state:
-            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-        checks.check_weights(*model.load_state_dict(state, strict=False))     # missing, unexpected
-        return model.to(dtype=dtype, device=device).eval().requires_grad_(False)
+        checks.check_model_dtype(dtype)  # before the model's weights are allocated
+        return loader.load_weights(cls(shape), state_dict, dtype, device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -264,51 +232,46 @@ class PagedLlama(nn.Module):
         chunk, and a forward pass that raises (an interrupt) is undone; the blocks it fills become findable
         by prefix caching only once every layer has written its K/V."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
-        kernel = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
-        starts = [cache.seq_lens[seq_id] for seq_id in seq_ids]
+        kernel = attention_kernel(attention)                 # imports triton when asked
         counts = [len(chunk) for chunk in chunks]
         tokens = [token for chunk in chunks for token in chunk]
         logits = []
 
         def forward(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
             cache.pool.copy_blocks(copies)
-            step = self._step(cache, seq_ids, starts, chunks, kernel)
+            step = self._step(cache, seq_ids, counts, tokens, slots, kernel)
             logits.append(self._forward(step, cache))
 
         # checked above (check_step), so straight to the block manager: blocks, then the forward pass
         cache.manager.reserve(seq_ids, counts, tokens, forward)
         return logits[0]
 
-    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
-              chunks: list[list[int]], kernel: Callable[..., torch.Tensor] | None) -> Step:
-        """The ``Step`` of tokens ``chunks[i]`` placed at positions ``starts[i]...`` (already reserved)."""
+    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], counts: list[int], tokens: list[int],
+              slots: list[list[int]], kernel: Callable[..., torch.Tensor] | None) -> Step:
+        """The ``Step`` of ``tokens``, the last ``counts[i]`` of sequence ``seq_ids[i]`` (reserved already:
+        the lengths count them, ``slots`` are their slots, sequence by sequence)."""
         device = self.device
         block_size = cache.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []         # the sequence (row of the block tables) of each token
+        lens = [cache.seq_lens[seq_id] for seq_id in seq_ids]               # after the step
+        positions = []
         query_start_loc = [0]
-        for row, (start, chunk) in enumerate(zip(starts, chunks)):
-            tokens += chunk
-            positions += range(start, start + len(chunk))
-            rows += [row] * len(chunk)
-            query_start_loc.append(len(tokens))
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)  # [T]
-        tables = cache.block_table(seq_ids)                                  # [B, max_blocks]
-        row_tensor = torch.tensor(rows, device=device)                       # [T]
-        blocks = tables.long()[row_tensor, position_tensor // block_size]    # [T]
-        lens = [start + len(chunk) for start, chunk in zip(starts, chunks)]
+        for length, count in zip(lens, counts):
+            positions += range(length - count, length)
+            query_start_loc.append(len(positions))
+        # slot = block * block_size + offset (vLLM's slot_mapping)
+        flat_slots = [slot for seq_slots in slots for slot in seq_slots]
+        slot_mapping = torch.tensor(flat_slots, dtype=torch.int64, device=device)  # [T]
+        tables = cache.block_table(seq_ids)                                 # [B, max_blocks]
         plan = None
         if kernel is None:
             shape = self.shape
             kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
             plan = plan_varlen(tables, lens, query_start_loc, block_size, kv_bytes_per_token)
         return Step(
-            seq_ids=seq_ids,
             tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
-            positions=position_tensor,
-            blocks=blocks,
-            offsets=position_tensor % block_size,
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            blocks=slot_mapping // block_size,
+            offsets=slot_mapping % block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             block_tables=tables,
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
