@@ -9,7 +9,7 @@ new token (``cache.reserve``: blocks taken, nothing written), then per layer **w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,18 +54,19 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch, with
-    plan: list[Piece] | None          # its plan, the same for every layer (plan_varlen)
+    plan: list[Piece] | None          # torch: attend_varlen's plan, the same for every layer; None: Triton
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               k_scale: float | torch.Tensor = 1.0,
-               v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+               k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> torch.Tensor:
         """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
         scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
         plan: the step's inputs are built here, once."""
-        if self.kernel is not None:
-            return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens,
-                               self.query_start_loc, k_scale=k_scale, v_scale=v_scale)
+        if self.plan is None:
+            # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
+            from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
+
+            return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables, self.seq_lens,
+                                                 self.query_start_loc, k_scale=k_scale, v_scale=v_scale)
         return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
@@ -88,8 +89,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     """Rotary tables ``cos``, ``sin`` ``[T, head_dim]`` for ``positions`` (int64 ``[T]``): dims ``i`` and
     ``i + head_dim/2`` turn by ``position * theta^(-2i/head_dim)``."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]                    # [T, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)                                # [T, head_dim]
+    angles = torch.outer(positions.float(), inv_freq).repeat(1, 2)             # [T, head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -98,16 +98,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)       # [T, heads, head_dim]
     return x * cos[:, None] + rotated * sin[:, None]
-
-
-def attention_kernel(attention: str) -> Callable[..., torch.Tensor] | None:
-    """``None`` for ``"torch"`` (``Step.attend`` calls ``attend_varlen``), or ``paged_attention_varlen``'s
-    Triton twin (``"triton"``: imported when asked). ``attention`` is checked already (``check_step``)."""
-    if attention == "torch":
-        return None
-    from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
-
-    return paged_attention_varlen_triton
 
 
 class Attention(nn.Module):
@@ -232,14 +222,13 @@ class PagedLlama(nn.Module):
         chunk, and a forward pass that raises (an interrupt) is undone; the blocks it fills become findable
         by prefix caching only once every layer has written its K/V."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
-        kernel = attention_kernel(attention)                 # imports triton when asked
         counts = [len(chunk) for chunk in chunks]
         tokens = [token for chunk in chunks for token in chunk]
         logits = []
 
-        def forward(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        def forward(slots, copies):  # reserve's write: each sequence's new slots, then block copies
             cache.pool.copy_blocks(copies)
-            step = self._step(cache, seq_ids, counts, tokens, slots, kernel)
+            step = self._step(cache, seq_ids, counts, tokens, slots, attention)
             logits.append(self._forward(step, cache))
 
         # checked above (check_step), so straight to the block manager: blocks, then the forward pass
@@ -247,7 +236,7 @@ class PagedLlama(nn.Module):
         return logits[0]
 
     def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], counts: list[int], tokens: list[int],
-              slots: list[list[int]], kernel: Callable[..., torch.Tensor] | None) -> Step:
+              slots: list[list[int]], attention: str) -> Step:
         """The ``Step`` of ``tokens``, the last ``counts[i]`` of sequence ``seq_ids[i]`` (reserved already:
         the lengths count them, ``slots`` are their slots, sequence by sequence)."""
         device = self.device
@@ -258,24 +247,23 @@ class PagedLlama(nn.Module):
         for length, count in zip(lens, counts):
             positions += range(length - count, length)
             query_start_loc.append(len(positions))
-        # slot = block * block_size + offset (vLLM's slot_mapping)
-        flat_slots = [slot for seq_slots in slots for slot in seq_slots]
-        slot_mapping = torch.tensor(flat_slots, dtype=torch.int64, device=device)  # [T]
+        # slot = block * block_size + offset (vLLM's slot_mapping); a list of ints makes int64 tensors
+        flat_slots = [slot for sequence_slots in slots for slot in sequence_slots]
+        slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
         tables = cache.block_table(seq_ids)                                 # [B, max_blocks]
         plan = None
-        if kernel is None:
+        if attention == "torch":
             shape = self.shape
             kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
             plan = plan_varlen(tables, lens, query_start_loc, block_size, kv_bytes_per_token)
         return Step(
-            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            tokens=torch.tensor(tokens, device=device),
+            positions=torch.tensor(positions, device=device),
             blocks=slot_mapping // block_size,
             offsets=slot_mapping % block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             block_tables=tables,
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            kernel=kernel,
             plan=plan,
         )
 
