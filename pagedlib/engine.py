@@ -81,7 +81,7 @@ class Engine:
                                      kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
         self.watermark_blocks = int(WATERMARK * num_blocks)  # the scheduler's rounding
         self.scheduler = self._new_scheduler()
-        self.requests: dict[int, Request] = {}  # every request not collected yet, by id
+        self.requests: dict[int, Request] = {}  # add_request's requests, by id, for output()
         self.stats = EngineStats()
         self._next_id = 0
         self._generating: int | None = None  # the thread inside generate()
@@ -108,7 +108,9 @@ class Engine:
         """Queue one prompt (checked first); returns its request id for ``output``."""
         self._check_idle()
         request = self._request("prompt", prompt, max_new_tokens)
-        self._enqueue(request)
+        self.scheduler.add(request)
+        self.requests[request.req_id] = request
+        self._next_id += 1
         return request.req_id
 
     def abort(self, req_id: int) -> None:
@@ -171,18 +173,17 @@ class Engine:
         requests = []
         for i, prompt in enumerate(prompts):
             requests.append(self._request(f"prompts[{i}]", prompt, max_new_tokens, i))
+        self._next_id += len(requests)
         self._generating = threading.get_ident()
         try:
             for request in requests:
-                self._enqueue(request)
+                self.scheduler.add(request)
             self._drain(len(requests) * max_new_tokens, progress)
         except BaseException:
             self.reset()
             raise
         finally:
             self._generating = None
-        for request in requests:
-            del self.requests[request.req_id]
         return [request.output_tokens for request in requests]
 
     def _drain(self, total: int, progress: bool | None) -> None:
@@ -217,8 +218,3 @@ class Engine:
         """Check one prompt (nothing is queued): the ``Request`` the scheduler will see."""
         tokens, max_new_tokens = checks.check_prompt(self, name, prompt, max_new_tokens)
         return Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))
-
-    def _enqueue(self, request: Request) -> None:
-        self.scheduler.add(request)
-        self.requests[request.req_id] = request
-        self._next_id = max(self._next_id, request.req_id + 1)

@@ -54,7 +54,7 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    plan: list[Piece] | None          # torch: attend_varlen's plan, the same for every layer; None: Triton
+    plan: list[Piece] | None          # attend_varlen's plan, for all layers; None: Triton
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,9 @@ class Step:
             # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
             from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
 
-            return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables, self.seq_lens,
-                                                 self.query_start_loc, k_scale=k_scale, v_scale=v_scale)
+            return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables,
+                                                 self.seq_lens, self.query_start_loc,
+                                                 k_scale=k_scale, v_scale=v_scale)
         return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
@@ -182,7 +183,8 @@ class PagedLlama(nn.Module):
         """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
         checks.check_hf_model(hf_model)
         dtype, device = loader.dtype_and_device(hf_model, dtype, device)
-        return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype, device=device)
+        state_dict = hf_model.state_dict()
+        return cls.from_state_dict(hf_model.config, state_dict, dtype=dtype, device=device)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
@@ -235,8 +237,8 @@ class PagedLlama(nn.Module):
         cache.manager.reserve(seq_ids, counts, tokens, forward)
         return logits[0]
 
-    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], counts: list[int], tokens: list[int],
-              slots: list[list[int]], attention: str) -> Step:
+    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], counts: list[int],
+              tokens: list[int], slots: list[list[int]], attention: str) -> Step:
         """The ``Step`` of ``tokens``, the last ``counts[i]`` of sequence ``seq_ids[i]`` (reserved already:
         the lengths count them, ``slots`` are their slots, sequence by sequence)."""
         device = self.device
