@@ -105,11 +105,11 @@ def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], att
     return seq_ids, prompts
 
 
-def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype | None = None) -> torch.dtype | None:
-    """``kv_cache_dtype`` as ``PagedLlama.new_cache`` takes it: ``None`` for ``None`` or the model's own
-    dtype (no quantization), else an fp8 format."""
+def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for ``PagedLlama.new_cache``'s ``kv_cache_dtype``: the model's own for ``None`` or
+    that dtype (no quantization), else an fp8 format."""
     if dtype is None or dtype is model_dtype:  # torch dtypes are singletons
-        return None
+        return model_dtype
     if not isinstance(dtype, torch.dtype) or dtype not in FP8_DTYPES:
         raise ValueError(f"kv_cache_dtype must be None or the model's dtype {model_dtype} (no quantization), "
                          f"or one of {FP8_DTYPES}, got {dtype!r}")
@@ -132,18 +132,22 @@ def check_attention(attention: object, block_size: int = 1, head_dim: int = 1) -
                          f"the model has {head_dim}")
 
 
-def check_generate(prompts: object, max_new_tokens: object, pending: bool) -> int:
+def check_generate(engine: Any, prompts: object, max_new_tokens: object) -> int:
+    """``max_new_tokens`` as an int, once ``prompts`` is a sequence and ``engine`` has no request pending."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
-    if pending:
+    if engine.scheduler.has_unfinished:
         raise ValueError("the engine still has unfinished requests (from add_request): step() them to "
                          "completion first")
     return max_new_tokens
 
 
 def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int, attention: str,
-                 enable_prefix_caching: bool, max_num_seqs: int) -> tuple[int, int, int]:
+                 enable_prefix_caching: bool, max_num_seqs: int, budget: object, threshold: object
+                 ) -> tuple[int, int, int, tuple[int | None, int | None]]:
+    """``Engine``'s arguments; ``num_blocks``, ``block_size``, ``max_num_seqs`` and the token budget
+    (``check_token_budget``) as ints."""
     if not isinstance(model, model_class):
         raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
                          f"got {type(model).__name__}")
@@ -154,7 +158,7 @@ def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
-    return num_blocks, block_size, max_num_seqs
+    return num_blocks, block_size, max_num_seqs, check_token_budget(budget, threshold)
 
 
 def check_token_budget(budget: object, threshold: object) -> tuple[int | None, int | None]:

@@ -9,35 +9,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from pagedlib import checks
 from pagedlib.core.request import Request
-from pagedlib.core.scheduler import Scheduler, StepPlan
+from pagedlib.core.scheduler import Scheduler
 from pagedlib.model import PagedLlama
+from pagedlib.stats import EngineStats
 
 # generate() shows a progress bar from this many new tokens on (progress=None)
 PROGRESS_MIN_TOKENS = 4096
 # share of the blocks admission keeps free for running requests to grow into (vLLM's)
 WATERMARK = 0.01
-
-
-@dataclass
-class EngineStats:
-    """What the engine did since it was built."""
-
-    steps: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0         # recomputed tokens count again
-    cached_tokens: int = 0          # found in the prefix cache at admission: attached, not prefilled
-    decode_tokens: int = 0
-    preemptions: int = 0
-    peak_blocks: int = 0            # most blocks held at once
-    peak_running: int = 0           # most requests decoding or prefilling in one step
-    finished: list[int] = field(default_factory=list)   # request ids, in finishing order
 
 
 class StepOutput(NamedTuple):
@@ -69,18 +54,16 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
-        num_blocks, block_size, self.max_num_seqs = checks.check_engine(
+        num_blocks, block_size, self.max_num_seqs, self.token_budget = checks.check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching,
-            max_num_seqs)
-        self.token_budget = checks.check_token_budget(max_num_batched_tokens,
-                                                      long_prefill_token_threshold)
+            max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold)
         self.model = model
         self.attention = attention
         self.cache = model.new_cache(num_blocks, block_size,
                                      enable_prefix_caching=enable_prefix_caching,
                                      kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
-        self.watermark_blocks = int(WATERMARK * num_blocks)  # the scheduler's rounding
         self.scheduler = self._new_scheduler()
+        self.watermark_blocks = self.scheduler.watermark_blocks  # admission keeps them free
         self.requests: dict[int, Request] = {}  # add_request's requests, by id, for output()
         self.stats = EngineStats()
         self._next_id = 0
@@ -137,7 +120,7 @@ class Engine:
             # [batch, vocab]
             logits = self.model.step(self.cache, ids, chunks, attention=self.attention)
             sampled = logits.argmax(-1).tolist()
-        self._count(plan)
+        self.stats.count(plan, self.cache.num_used_blocks)
         finished = [request.req_id for request in self.scheduler.update(plan, sampled)]
         self.stats.finished += finished
         self._in_step = False
@@ -145,18 +128,6 @@ class Engine:
         decoded = [request.req_id for request in plan.decode]
         preempted = [request.req_id for request in plan.preempted]
         return StepOutput(prefilled, decoded, preempted, finished)
-
-    def _count(self, plan: StepPlan) -> None:
-        """Add the step's plan to ``stats`` (after the forward pass, before the tokens are appended)."""
-        stats = self.stats
-        stats.steps += 1
-        stats.generated_tokens += len(plan.sampling)
-        stats.prefill_tokens += sum(n for _, n in plan.prefill)
-        stats.cached_tokens += plan.cached_tokens
-        stats.decode_tokens += len(plan.decode)
-        stats.preemptions += len(plan.preempted)
-        stats.peak_blocks = max(stats.peak_blocks, self.cache.num_used_blocks)
-        stats.peak_running = max(stats.peak_running, len(plan.work))  # partial chunks too
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""
@@ -168,8 +139,7 @@ class Engine:
         stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
         Every prompt is checked first: ``ValueError`` for one the pool (less the 1% watermark) cannot hold."""
         self._check_idle()
-        pending = self.scheduler.has_unfinished
-        max_new_tokens = checks.check_generate(prompts, max_new_tokens, pending=pending)
+        max_new_tokens = checks.check_generate(self, prompts, max_new_tokens)
         requests = []
         for i, prompt in enumerate(prompts):
             requests.append(self._request(f"prompts[{i}]", prompt, max_new_tokens, i))

@@ -209,7 +209,7 @@ class PagedLlama(nn.Module):
                   prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
         1.0) and device."""
-        dtype = checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype) or self.dtype
+        dtype = checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype)
         shape = self.shape
         return PagedKVCache(num_blocks, shape.num_layers, block_size, shape.num_kv_heads,
                             shape.head_dim, dtype=dtype, device=self.device,
