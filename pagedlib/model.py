@@ -1,10 +1,11 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
 Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
-(``checks.SUPPORTED_MODELS``). A forward pass (``PagedLlama.step``) runs the new tokens of many sequences
-flattened together, decodes and prompt chunks alike (vLLM V1's step): it first **reserves** a slot for every
-new token (``cache.reserve``: blocks taken, nothing written), then per layer **writes** K/V there and
-**attends** through the table with one varlen kernel.
+(``checks.SUPPORTED_MODELS``; ``pagedlib.loader`` reads the config and copies the weights). A forward pass
+(``PagedLlama.step``) runs the new tokens of many sequences flattened together, decodes and prompt chunks
+alike (vLLM V1's step): it first **reserves** a slot for every new token (``cache.reserve``: blocks taken,
+nothing written), then per layer **writes** K/V there and **attends** through the table with one varlen
+kernel.
 """
 
 from __future__ import annotations
