@@ -170,15 +170,15 @@ class Engine:
     def reset(self) -> None:
         """Drop every request and free every block. With prefix caching the cache is rebuilt empty: a block
         registered by an interrupted prefill may hold placeholder K/V, and must never be found."""
-        for seq_id in list(self.cache.seq_lens):
-            self.cache.free_sequence(seq_id)
-        old = self.cache
-        if old.prefix_cache is not None:
+        cache = self.cache
+        for seq_id in list(cache.seq_lens):
+            cache.free_sequence(seq_id)
+        if cache.prefix_cache is not None:
             # the model's own dtype as kv_cache_dtype means no quantization, as None does
-            self.cache = self.model.new_cache(old.num_blocks, old.block_size,
+            self.cache = self.model.new_cache(cache.num_blocks, cache.block_size,
                                               enable_prefix_caching=True,
-                                              kv_cache_dtype=old.dtype,
-                                              prefix_cache=old.prefix_cache_kind)
+                                              kv_cache_dtype=cache.dtype,
+                                              prefix_cache=cache.prefix_cache_kind)
         self.scheduler = self._new_scheduler()
         self.requests.clear()
         self._in_step = False
