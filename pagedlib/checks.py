@@ -1,8 +1,9 @@
-"""Argument checks of the model and the engine (the neutral ``as_int``, ``ceil_div`` and ``refuse`` are in
-``pagedlib.util``)."""
+"""Argument checks of the model and the engine, and the engine's refusal of a second thread or of a call
+after a failed step (the neutral ``as_int``, ``ceil_div`` and ``refuse`` are in ``pagedlib.util``)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,7 +78,7 @@ def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
 
 def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str
                ) -> tuple[list[Any], list[list[int]]]:
-    check_attention(attention)
+    check_attention(attention, head_dim=model.shape.head_dim)
     check_model_dtype(model.dtype)
     shape = model.shape
     dtype = cache.dtype
@@ -104,48 +105,60 @@ def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], att
     return seq_ids, prompts
 
 
-def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype | None = None) -> torch.dtype | None:
-    """``kv_cache_dtype`` as ``PagedLlama.new_cache`` takes it: ``None`` for ``None`` or the model's own
-    dtype (no quantization), else an fp8 format."""
+def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for ``PagedLlama.new_cache``'s ``kv_cache_dtype``: the model's own for ``None`` or
+    that dtype (no quantization), else an fp8 format."""
     if dtype is None or dtype is model_dtype:  # torch dtypes are singletons
-        return None
+        return model_dtype
     if not isinstance(dtype, torch.dtype) or dtype not in FP8_DTYPES:
         raise ValueError(f"kv_cache_dtype must be None or the model's dtype {model_dtype} (no quantization), "
                          f"or one of {FP8_DTYPES}, got {dtype!r}")
     return dtype
 
 
-def check_attention(attention: object, block_size: int = 1) -> None:
+def check_attention(attention: object, block_size: int = 1, head_dim: int = 1) -> None:
+    """``attention`` one of the two paths; the Triton kernel's limits on ``block_size`` and ``head_dim``."""
     if attention not in ("torch", "triton"):
         raise ValueError(f"attention must be one of ('torch', 'triton'), got {attention!r}")
-    if attention == "triton" and (block_size > 128 or block_size & (block_size - 1)):
+    if attention == "torch":
+        return
+    if block_size > 128 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
                          f"got {block_size}")
+    from pagedlib.kernels.triton_decode import MAX_HEAD_DIM  # imports triton: only when asked for
+
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for the Triton kernel, "
+                         f"the model has {head_dim}")
 
 
-def check_generate(prompts: object, max_new_tokens: object, pending: bool) -> int:
+def check_generate(engine: Any, prompts: object, max_new_tokens: object) -> int:
+    """``max_new_tokens`` as an int, once ``prompts`` is a sequence and ``engine`` has no request pending."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
-    if pending:
+    if engine.scheduler.has_unfinished:
         raise ValueError("the engine still has unfinished requests (from add_request): step() them to "
                          "completion first")
     return max_new_tokens
 
 
 def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int, attention: str,
-                 enable_prefix_caching: bool, max_num_seqs: int) -> tuple[int, int, int]:
+                 enable_prefix_caching: bool, max_num_seqs: int, budget: object, threshold: object
+                 ) -> tuple[int, int, int, tuple[int | None, int | None]]:
+    """``Engine``'s arguments; ``num_blocks``, ``block_size``, ``max_num_seqs`` and the token budget
+    (``check_token_budget``) as ints."""
     if not isinstance(model, model_class):
         raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
                          f"got {type(model).__name__}")
     check_model_dtype(model.dtype)
     num_blocks = as_int("num_blocks", num_blocks, minimum=1)
     block_size = as_int("block_size", block_size, minimum=1)
-    check_attention(attention, block_size)
+    check_attention(attention, block_size, model.shape.head_dim)
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
     max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
-    return num_blocks, block_size, max_num_seqs
+    return num_blocks, block_size, max_num_seqs, check_token_budget(budget, threshold)
 
 
 def check_token_budget(budget: object, threshold: object) -> tuple[int | None, int | None]:
@@ -157,3 +170,39 @@ def check_token_budget(budget: object, threshold: object) -> tuple[int | None, i
     if threshold is not None:
         threshold = as_int("long_prefill_token_threshold", threshold, minimum=1)
     return budget, threshold
+
+
+def check_prompt(engine: Any, name: str, prompt: Any, max_new_tokens: object) -> tuple[list[int], int]:
+    """``prompt`` as token ids and ``max_new_tokens`` as an int, refused if the prompt is empty or if
+    ``engine``'s pool, less the admission watermark, could never hold it with its new tokens."""
+    tokens = token_list(name, prompt, engine.model.shape.vocab_size)
+    if not tokens:
+        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
+    num_blocks = engine.cache.num_blocks
+    block_size = engine.cache.block_size
+    mark = engine.watermark_blocks
+    room = (num_blocks - mark) * block_size
+    needed = len(tokens) + max_new_tokens - 1  # the prompt and every new token but the last
+    if needed > room:
+        held = ""
+        if mark:
+            held = f" less the watermark of {mark} (1% kept free)"
+        raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} "
+                         f"needs {needed} token slots (the prompt and every new "
+                         f"token but the last), more than the pool of {num_blocks} "
+                         f"blocks{held} x {block_size} = {room} can ever hold")
+    return tokens, max_new_tokens
+
+
+def check_idle(generating: int | None, in_step: bool) -> None:
+    """Refuse a call from a second thread (``generating``: the thread inside ``Engine.generate``), or after a
+    step that raised (``in_step``): a cheap check, not a lock."""
+    if generating not in (None, threading.get_ident()):
+        raise RuntimeError("another thread is inside this engine's generate(): an Engine "
+                           "is single-threaded (give each thread its own engine, or "
+                           "serialise the calls)")
+    if in_step:
+        raise RuntimeError("the engine's last step() raised midway (or another thread is "
+                           "inside step(): an Engine is single-threaded): call reset() "
+                           "before using it again")

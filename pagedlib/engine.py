@@ -9,36 +9,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from pagedlib.checks import check_engine, check_generate, check_token_budget, token_list
+from pagedlib import checks
 from pagedlib.core.request import Request
-from pagedlib.core.scheduler import Scheduler, StepPlan
-from pagedlib.model import PagedLlama, attention_kernel
-from pagedlib.util import as_int
+from pagedlib.core.scheduler import Scheduler
+from pagedlib.model import PagedLlama
+from pagedlib.stats import EngineStats
 
 # generate() shows a progress bar from this many new tokens on (progress=None)
 PROGRESS_MIN_TOKENS = 4096
 # share of the blocks admission keeps free for running requests to grow into (vLLM's)
 WATERMARK = 0.01
-
-
-@dataclass
-class EngineStats:
-    """What the engine did since it was built."""
-
-    steps: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0         # recomputed tokens count again
-    cached_tokens: int = 0          # found in the prefix cache at admission: attached, not prefilled
-    decode_tokens: int = 0
-    preemptions: int = 0
-    peak_blocks: int = 0            # most blocks held at once
-    peak_running: int = 0           # most requests decoding or prefilling in one step
-    finished: list[int] = field(default_factory=list)   # request ids, in finishing order
 
 
 class StepOutput(NamedTuple):
@@ -70,33 +54,27 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
-        num_blocks, block_size, self.max_num_seqs = check_engine(
+        num_blocks, block_size, self.max_num_seqs, self.token_budget = checks.check_engine(
             model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching,
-            max_num_seqs)
-        self.token_budget = check_token_budget(max_num_batched_tokens,
-                                               long_prefill_token_threshold)
-        # refuses a head size the kernel cannot take
-        attention_kernel(attention, model.shape.head_dim)
+            max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold)
         self.model = model
         self.attention = attention
         self.cache = model.new_cache(num_blocks, block_size,
                                      enable_prefix_caching=enable_prefix_caching,
                                      kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
-        self.watermark_blocks = int(WATERMARK * num_blocks)  # the scheduler's rounding
         self.scheduler = self._new_scheduler()
-        self.requests: dict[int, Request] = {}  # every request not collected yet, by id
+        self.watermark_blocks = self.scheduler.watermark_blocks  # admission keeps them free
+        self.requests: dict[int, Request] = {}  # add_request's requests, by id, for output()
         self.stats = EngineStats()
         self._next_id = 0
         self._generating: int | None = None  # the thread inside generate()
         self._in_step = False  # True inside step(), and after one that raised
 
     @classmethod
-    def from_hf(cls, hf_model: Any, num_blocks: int, block_size: int = 16, attention: str = "torch",
-                enable_prefix_caching: bool = False, **kwargs: Any) -> Engine:
-        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes (``kwargs``: the
-        keywords of ``Engine``, ``max_num_batched_tokens`` among them)."""
-        model = PagedLlama.from_hf(hf_model)
-        return cls(model, num_blocks, block_size, attention, enable_prefix_caching, **kwargs)
+    def from_hf(cls, hf_model: Any, *args: Any, **kwargs: Any) -> Engine:
+        """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes (``args``,
+        ``kwargs``: those of ``Engine`` after ``model``, ``num_blocks`` first)."""
+        return cls(PagedLlama.from_hf(hf_model), *args, **kwargs)
 
     def _new_scheduler(self) -> Scheduler:
         budget, cap = self.token_budget
@@ -107,20 +85,15 @@ class Engine:
 
     def _check_idle(self) -> None:
         """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
-        if self._generating not in (None, threading.get_ident()):
-            raise RuntimeError("another thread is inside this engine's generate(): an Engine "
-                               "is single-threaded (give each thread its own engine, or "
-                               "serialise the calls)")
-        if self._in_step:
-            raise RuntimeError("the engine's last step() raised midway (or another thread is "
-                               "inside step(): an Engine is single-threaded): call reset() "
-                               "before using it again")
+        checks.check_idle(self._generating, self._in_step)
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
         self._check_idle()
         request = self._request("prompt", prompt, max_new_tokens)
-        self._enqueue(request)
+        self.scheduler.add(request)
+        self.requests[request.req_id] = request
+        self._next_id += 1
         return request.req_id
 
     def abort(self, req_id: int) -> None:
@@ -147,7 +120,7 @@ class Engine:
             # [batch, vocab]
             logits = self.model.step(self.cache, ids, chunks, attention=self.attention)
             sampled = logits.argmax(-1).tolist()
-        self._count(plan)
+        self.stats.count(plan, self.cache.num_used_blocks)
         finished = [request.req_id for request in self.scheduler.update(plan, sampled)]
         self.stats.finished += finished
         self._in_step = False
@@ -155,18 +128,6 @@ class Engine:
         decoded = [request.req_id for request in plan.decode]
         preempted = [request.req_id for request in plan.preempted]
         return StepOutput(prefilled, decoded, preempted, finished)
-
-    def _count(self, plan: StepPlan) -> None:
-        """Add the step's plan to ``stats`` (after the forward pass, before the tokens are appended)."""
-        stats = self.stats
-        stats.steps += 1
-        stats.generated_tokens += len(plan.sampling)
-        stats.prefill_tokens += sum(n for _, n in plan.prefill)
-        stats.cached_tokens += plan.cached_tokens
-        stats.decode_tokens += len(plan.decode)
-        stats.preemptions += len(plan.preempted)
-        stats.peak_blocks = max(stats.peak_blocks, self.cache.num_used_blocks)
-        stats.peak_running = max(stats.peak_running, len(plan.work))  # partial chunks too
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""
@@ -178,32 +139,29 @@ class Engine:
         stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
         Every prompt is checked first: ``ValueError`` for one the pool (less the 1% watermark) cannot hold."""
         self._check_idle()
-        pending = self.scheduler.has_unfinished
-        max_new_tokens = check_generate(prompts, max_new_tokens, pending=pending)
+        max_new_tokens = checks.check_generate(self, prompts, max_new_tokens)
         requests = []
         for i, prompt in enumerate(prompts):
             requests.append(self._request(f"prompts[{i}]", prompt, max_new_tokens, i))
+        self._next_id += len(requests)
         self._generating = threading.get_ident()
         try:
             for request in requests:
-                self._enqueue(request)
+                self.scheduler.add(request)
             self._drain(len(requests) * max_new_tokens, progress)
         except BaseException:
             self.reset()
             raise
         finally:
             self._generating = None
-        for request in requests:
-            del self.requests[request.req_id]
         return [request.output_tokens for request in requests]
 
     def _drain(self, total: int, progress: bool | None) -> None:
         from tqdm.auto import tqdm
 
-        show = bool(progress)
         if progress is None:
-            show = total >= PROGRESS_MIN_TOKENS
-        with tqdm(total=total, disable=not show, desc="generate", unit="tok") as bar:
+            progress = total >= PROGRESS_MIN_TOKENS
+        with tqdm(total=total, disable=not progress, desc="generate", unit="tok") as bar:
             while self.scheduler.has_unfinished:
                 before = self.stats.generated_tokens
                 self.step()
@@ -212,17 +170,15 @@ class Engine:
     def reset(self) -> None:
         """Drop every request and free every block. With prefix caching the cache is rebuilt empty: a block
         registered by an interrupted prefill may hold placeholder K/V, and must never be found."""
-        for seq_id in list(self.cache.seq_lens):
-            self.cache.free_sequence(seq_id)
-        old = self.cache
-        if old.prefix_cache is not None:
-            kv_cache_dtype = None
-            if old.dtype != self.model.dtype:
-                kv_cache_dtype = old.dtype
-            self.cache = self.model.new_cache(old.num_blocks, old.block_size,
+        cache = self.cache
+        for seq_id in list(cache.seq_lens):
+            cache.free_sequence(seq_id)
+        if cache.prefix_cache is not None:
+            # the model's own dtype as kv_cache_dtype means no quantization, as None does
+            self.cache = self.model.new_cache(cache.num_blocks, cache.block_size,
                                               enable_prefix_caching=True,
-                                              kv_cache_dtype=kv_cache_dtype,
-                                              prefix_cache=old.prefix_cache_kind)
+                                              kv_cache_dtype=cache.dtype,
+                                              prefix_cache=cache.prefix_cache_kind)
         self.scheduler = self._new_scheduler()
         self.requests.clear()
         self._in_step = False
@@ -230,26 +186,5 @@ class Engine:
     def _request(self, name: str, prompt: Sequence[int], max_new_tokens: int,
                  offset: int = 0) -> Request:
         """Check one prompt (nothing is queued): the ``Request`` the scheduler will see."""
-        tokens = token_list(name, prompt, self.model.shape.vocab_size)
-        if not tokens:
-            raise ValueError(f"{name} is empty: a prompt needs at least one token")
-        max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
-        request = Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))
-        num_blocks = self.cache.num_blocks
-        block_size = self.cache.block_size
-        mark = self.watermark_blocks
-        room = (num_blocks - mark) * block_size
-        if request.max_kv_len > room:
-            held = ""
-            if mark:
-                held = f" less the watermark of {mark} (1% kept free)"
-            raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} "
-                             f"needs {request.max_kv_len} token slots (the prompt and every new "
-                             f"token but the last), more than the pool of {num_blocks} "
-                             f"blocks{held} x {block_size} = {room} can ever hold")
-        return request
-
-    def _enqueue(self, request: Request) -> None:
-        self.scheduler.add(request)
-        self.requests[request.req_id] = request
-        self._next_id = max(self._next_id, request.req_id + 1)
+        tokens, max_new_tokens = checks.check_prompt(self, name, prompt, max_new_tokens)
+        return Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))

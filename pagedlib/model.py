@@ -1,15 +1,16 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
 Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
-(``checks.SUPPORTED_MODELS``). A forward pass (``PagedLlama.step``) runs the new tokens of many sequences
-flattened together, decodes and prompt chunks alike (vLLM V1's step): it first **reserves** a slot for every
-new token (``cache.reserve``: blocks taken, nothing written), then per layer **writes** K/V there and
-**attends** through the table with one varlen kernel.
+(``checks.SUPPORTED_MODELS``; ``pagedlib.loader`` reads the config and copies the weights). A forward pass
+(``PagedLlama.step``) runs the new tokens of many sequences flattened together, decodes and prompt chunks
+alike (vLLM V1's step): it first **reserves** a slot for every new token (``cache.reserve``: blocks taken,
+nothing written), then per layer **writes** K/V there and **attends** through the table with one varlen
+kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlib import checks
+from pagedlib import checks, loader
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.varlen import Piece, attend_varlen, plan_varlen
 
@@ -40,28 +41,13 @@ class LlamaShape:
     @classmethod
     def from_hf(cls, config: Any) -> LlamaShape:
         """Read a transformers config; ``ValueError`` naming a field this model does not implement."""
-        checks.check_hf_config(config)
-        rope = getattr(config, "rope_parameters", None) or {}
-        heads = config.num_attention_heads
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=config.num_key_value_heads or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+        return cls(**loader.shape_fields(config))
 
 
 @dataclass
 class Step:
     """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and how they attend."""
 
-    seq_ids: list[Hashable]
     tokens: torch.Tensor              # int64 [T]
     positions: torch.Tensor           # int64 [T]
     blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
@@ -69,18 +55,20 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    kernel: Callable[..., torch.Tensor] | None   # the Triton varlen kernel; None: torch, with
-    plan: list[Piece] | None          # its plan, the same for every layer (plan_varlen)
+    plan: list[Piece] | None          # attend_varlen's plan, for all layers; None: Triton
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               k_scale: float | torch.Tensor = 1.0,
-               v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+               k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> torch.Tensor:
         """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
         scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
         plan: the step's inputs are built here, once."""
-        if self.kernel is not None:
-            return self.kernel(q, k_pool, v_pool, self.block_tables, self.seq_lens,
-                               self.query_start_loc, k_scale=k_scale, v_scale=v_scale)
+        if self.plan is None:
+            # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
+            from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
+
+            return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables,
+                                                 self.seq_lens, self.query_start_loc,
+                                                 k_scale=k_scale, v_scale=v_scale)
         return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
@@ -103,8 +91,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     """Rotary tables ``cos``, ``sin`` ``[T, head_dim]`` for ``positions`` (int64 ``[T]``): dims ``i`` and
     ``i + head_dim/2`` turn by ``position * theta^(-2i/head_dim)``."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]                    # [T, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)                                # [T, head_dim]
+    angles = torch.outer(positions.float(), inv_freq).repeat(1, 2)             # [T, head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -115,44 +102,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attention_kernel(attention: str, head_dim: int) -> Callable[..., torch.Tensor] | None:
-    """``None`` for ``"torch"`` (``Step.attend`` calls ``attend_varlen``), or ``paged_attention_varlen``'s
-    Triton twin (``"triton"``: imported when asked)."""
-    checks.check_attention(attention)
-    if attention == "torch":
-        return None
-    from pagedlib.kernels import triton_decode
-
-    if head_dim > triton_decode.MAX_HEAD_DIM:
-        most = triton_decode.MAX_HEAD_DIM
-        raise ValueError(f"head_dim must be at most {most} for the Triton kernel, "
-                         f"the model has {head_dim}")
-    from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
-
-    return paged_attention_varlen_triton
-
-
 class Attention(nn.Module):
     """Grouped-query attention whose K/V live in the paged cache."""
 
     def __init__(self, shape: LlamaShape, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = shape.num_heads
-        self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
-        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=False)
-        self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+        q_size = shape.num_heads * shape.head_dim
+        kv_size = shape.num_kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, q_size, bias=False)
+        self.k_proj = nn.Linear(shape.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(shape.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
                 cache: PagedKVCache) -> torch.Tensor:
         """``x``: ``[T, hidden]`` -> ``[T, hidden]``."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)          # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
+        # the projections' heads: -1 is Hq for q, Hkv for k and v
+        q = self.q_proj(x).view(T, -1, self.head_dim)                      # [T, Hq, D]
+        k = self.k_proj(x).view(T, -1, self.head_dim)                      # [T, Hkv, D]
+        v = self.v_proj(x).view(T, -1, self.head_dim)                      # [T, Hkv, D]
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
         k_pool, v_pool = cache.layer(self.layer)              # [num_blocks, block_size, Hkv, D]
@@ -160,7 +131,7 @@ class Attention(nn.Module):
         k_pool[step.blocks, step.offsets] = k                 # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
         out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, -1))                # [T, Hq * D] -> [T, hidden]
 
 
 class MLP(nn.Module):
@@ -212,9 +183,7 @@ class PagedLlama(nn.Module):
                 device: torch.device | str | None = None) -> PagedLlama:
         """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
         checks.check_hf_model(hf_model)
-        first = next(hf_model.parameters())
-        dtype = dtype or first.dtype
-        device = device or first.device
+        dtype, device = loader.dtype_and_device(hf_model, dtype, device)
         state_dict = hf_model.state_dict()
         return cls.from_state_dict(hf_model.config, state_dict, dtype=dtype, device=device)
 
@@ -225,16 +194,8 @@ class PagedLlama(nn.Module):
         """Build from a config and a ``LlamaForCausalLM``-style ``state_dict`` (``model.`` prefixes and a
         missing tied ``lm_head.weight`` are fine); ``ValueError`` naming unknown or missing weights."""
         shape = LlamaShape.from_hf(config)
-        checks.check_model_dtype(dtype)
-        model = cls(shape)
-        state = {}
-        for name, weight in state_dict.items():
-            if "rotary_emb" not in name:  # transformers' rotary buffers: computed here
-                state[name.removeprefix("model.")] = weight
-        if shape.tie_word_embeddings and "embed_tokens.weight" in state:
-            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-        checks.check_weights(*model.load_state_dict(state, strict=False))     # missing, unexpected
-        return model.to(dtype=dtype, device=device).eval().requires_grad_(False)
+        checks.check_model_dtype(dtype)  # before the model's weights are allocated
+        return loader.load_weights(cls(shape), state_dict, dtype, device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,7 +210,7 @@ class PagedLlama(nn.Module):
                   prefix_cache: str = "hash") -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
         1.0) and device."""
-        dtype = checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype) or self.dtype
+        dtype = checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype)
         shape = self.shape
         return PagedKVCache(num_blocks, shape.num_layers, block_size, shape.num_kv_heads,
                             shape.head_dim, dtype=dtype, device=self.device,
@@ -264,55 +225,48 @@ class PagedLlama(nn.Module):
         chunk, and a forward pass that raises (an interrupt) is undone; the blocks it fills become findable
         by prefix caching only once every layer has written its K/V."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
-        kernel = attention_kernel(attention, self.shape.head_dim)       # imports triton when asked
-        starts = [cache.seq_lens[seq_id] for seq_id in seq_ids]
         counts = [len(chunk) for chunk in chunks]
         tokens = [token for chunk in chunks for token in chunk]
         logits = []
 
-        def forward(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        def forward(slots, copies):  # reserve's write: each sequence's new slots, then block copies
             cache.pool.copy_blocks(copies)
-            step = self._step(cache, seq_ids, starts, chunks, kernel)
+            step = self._step(cache, seq_ids, counts, tokens, slots, attention)
             logits.append(self._forward(step, cache))
 
         # checked above (check_step), so straight to the block manager: blocks, then the forward pass
         cache.manager.reserve(seq_ids, counts, tokens, forward)
         return logits[0]
 
-    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], starts: list[int],
-              chunks: list[list[int]], kernel: Callable[..., torch.Tensor] | None) -> Step:
-        """The ``Step`` of tokens ``chunks[i]`` placed at positions ``starts[i]...`` (already reserved)."""
+    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], counts: list[int],
+              tokens: list[int], slots: list[list[int]], attention: str) -> Step:
+        """The ``Step`` of ``tokens``, the last ``counts[i]`` of sequence ``seq_ids[i]`` (reserved already:
+        the lengths count them, ``slots`` are their slots, sequence by sequence)."""
         device = self.device
         block_size = cache.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []         # the sequence (row of the block tables) of each token
+        lens = [cache.seq_lens[seq_id] for seq_id in seq_ids]               # after the step
+        positions = []
         query_start_loc = [0]
-        for row, (start, chunk) in enumerate(zip(starts, chunks)):
-            tokens += chunk
-            positions += range(start, start + len(chunk))
-            rows += [row] * len(chunk)
-            query_start_loc.append(len(tokens))
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)  # [T]
-        tables = cache.block_table(seq_ids)                                  # [B, max_blocks]
-        row_tensor = torch.tensor(rows, device=device)                       # [T]
-        blocks = tables.long()[row_tensor, position_tensor // block_size]    # [T]
-        lens = [start + len(chunk) for start, chunk in zip(starts, chunks)]
+        for length, count in zip(lens, counts):
+            positions += range(length - count, length)
+            query_start_loc.append(len(positions))
+        # slot = block * block_size + offset (vLLM's slot_mapping); a list of ints makes int64 tensors
+        flat_slots = [slot for sequence_slots in slots for slot in sequence_slots]
+        slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
+        tables = cache.block_table(seq_ids)                                 # [B, max_blocks]
         plan = None
-        if kernel is None:
+        if attention == "torch":
             shape = self.shape
             kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
             plan = plan_varlen(tables, lens, query_start_loc, block_size, kv_bytes_per_token)
         return Step(
-            seq_ids=seq_ids,
-            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
-            positions=position_tensor,
-            blocks=blocks,
-            offsets=position_tensor % block_size,
+            tokens=torch.tensor(tokens, device=device),
+            positions=torch.tensor(positions, device=device),
+            blocks=slot_mapping // block_size,
+            offsets=slot_mapping % block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             block_tables=tables,
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            kernel=kernel,
             plan=plan,
         )
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # re-exported: model.py checks with it
+from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # re-exported: checks.py reads it
 from pagedlib.kernels._checks import MAX_SPLITS, check_scales, check_triton
 from pagedlib.kernels.attention import check_paged_inputs, softmax_scale
 from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpreting

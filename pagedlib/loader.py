@@ -1,0 +1,62 @@
+"""Loading a Hugging Face Llama into ``PagedLlama`` (notebook 08): a transformers config read into the fields
+of ``LlamaShape``, and a ``LlamaForCausalLM``-style ``state_dict`` copied into a model already built.
+
+Not on the engine path: ``LlamaShape.from_hf``, ``PagedLlama.from_hf`` and ``PagedLlama.from_state_dict``
+call it, so it never imports ``pagedlib.model`` (it takes the model instance, returns plain values).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlib import checks
+
+
+def shape_fields(config: Any) -> dict[str, Any]:
+    """``LlamaShape``'s fields, read from a transformers config (``ValueError`` naming a field this model
+    does not implement). Missing optional fields take transformers' defaults."""
+    checks.check_hf_config(config)
+    rope = getattr(config, "rope_parameters", None) or {}  # newer transformers keep rope_theta here
+    heads = config.num_attention_heads
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=config.num_key_value_heads or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        rms_norm_eps=float(config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def dtype_and_device(hf_model: Any, dtype: torch.dtype | None,
+                     device: torch.device | str | None) -> tuple[torch.dtype, torch.device | str]:
+    """``dtype`` and ``device``, each defaulting to that of ``hf_model``'s weights."""
+    first = next(hf_model.parameters())
+    if dtype is None:
+        dtype = first.dtype
+    if device is None:
+        device = first.device
+    return dtype, device
+
+
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str) -> nn.Module:
+    """Copy ``state_dict`` into ``model`` (built from the same config), then move it to ``dtype`` and
+    ``device`` for inference. ``model.`` prefixes and a missing tied ``lm_head.weight`` are fine;
+    ``ValueError`` naming unknown or missing weights."""
+    state = {}
+    for name, weight in state_dict.items():
+        if "rotary_emb" not in name:  # transformers' rotary buffers: the model computes its own
+            state[name.removeprefix("model.")] = weight
+    if model.shape.tie_word_embeddings and "embed_tokens.weight" in state:
+        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    checks.check_weights(missing, unexpected)
+    return model.to(dtype=dtype, device=device).eval().requires_grad_(False)
