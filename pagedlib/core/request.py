@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedlib.util import as_int
+from pagedlib.core import _checks as checks
 
 
 class Status(enum.Enum):
@@ -40,16 +40,7 @@ class Request:
         return hash(self.req_id)
 
     def __post_init__(self) -> None:
-        self.req_id = as_int("req_id", self.req_id, minimum=0)
-        self.arrival = as_int("arrival", self.arrival, minimum=0)
-        self.prompt_len = as_int("prompt_len", self.prompt_len, minimum=1)
-        self.output_len = as_int("output_len", self.output_len, minimum=1)
-        if self.prompt_tokens is not None:
-            tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in self.prompt_tokens)
-            if len(tokens) != self.prompt_len:
-                raise ValueError(f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, "
-                                 f"got {len(tokens)}")
-            self.prompt_tokens = tokens
+        checks.request_fields(self)  # ints as ints, prompt_tokens a tuple of prompt_len ids
 
     @property
     def num_tokens(self) -> int:  # prompt and generated
