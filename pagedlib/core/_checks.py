@@ -177,6 +177,12 @@ def request_fields(request: object) -> None:
         request.prompt_tokens = tokens
 
 
+def page(tokens: Sequence[int], block_size: int) -> None:
+    """A prefix cache's one block of token ids."""
+    if len(tokens) != block_size:
+        raise ValueError(f"tokens must hold block_size={block_size} token ids, got {len(tokens)}")
+
+
 def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
     seq(cache, seq_id)
     shared = [b for b in cache.tables[seq_id] if cache.ref_counts[b] > 1]
