@@ -134,6 +134,8 @@ def appended(cache, k: object, v: object, tokens: object, n: int | None = None,
              dims: str = "[num_layers, n, kv_heads, head_dim]", one: bool = False) -> list[int] | None:
     """K and V ``[num_layers, n, kv_heads, head_dim]`` (``n=None``: as ``k`` says; ``one``: a single token,
     ``[num_layers, kv_heads, head_dim]``): dense, the pools' dtype and device, no view of them; their ids."""
+    if one:
+        dims = "[num_layers, kv_heads, head_dim]"
     L, H, D = cache.num_layers, cache.kv_heads, cache.head_dim
     shape = (L, H, D) if one else (L, n, H, D)
     for name, t in zip(("k_vec", "v_vec") if one else ("k", "v"), (k, v)):
@@ -191,6 +193,17 @@ def leading_blocks(cache, seq_id: Hashable, n: object) -> int:
            (shared, f"release_leading_blocks needs blocks held by sequence {seq_id!r} alone; blocks {shared} "
                     f"are shared (fork)"))
     return as_int("n", n, minimum=0, maximum=cache.seq_lens[seq_id] // cache.block_size)
+
+
+def position(cache, seq_id: Hashable, pos: object) -> int:
+    """Token ``pos`` of live sequence ``seq_id``: ``0 <= pos < seq_len``."""
+    seq(cache, seq_id)
+    length = cache.seq_lens[seq_id]
+    return index("pos", pos, 0, length, f" for sequence {seq_id!r} of length {length}")
+
+
+def block_id(cache, block_id: object) -> int:
+    return as_int("block_id", block_id, minimum=0, maximum=cache.num_blocks - 1)
 
 
 def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:

@@ -18,7 +18,6 @@ from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError 
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
-from pagedlib.util import as_int
 
 # what state_diff compares
 _STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache",
@@ -84,7 +83,7 @@ class PagedKVCache:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.manager.num_free_blocks
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_tokens(self) -> int:
@@ -134,8 +133,7 @@ class PagedKVCache:
                      token_id: int | None = None) -> Slot:
         """Append one token (``k_vec``, ``v_vec``: ``[num_layers, kv_heads, head_dim]``); returns its slot."""
         checks.seq(self, seq_id)
-        dims = "[num_layers, kv_heads, head_dim]"
-        ids = checks.appended(self, k_vec, v_vec, token_id, dims=dims, one=True)
+        ids = checks.appended(self, k_vec, v_vec, token_id, one=True)
         slot = self._append([seq_id], [1], k_vec[:, None], v_vec[:, None], ids)[0]  # [L, 1, H, D]
         return Slot(*divmod(slot, self.block_size))
 
@@ -188,9 +186,7 @@ class PagedKVCache:
 
     def slot(self, seq_id: Hashable, pos: int) -> Slot:
         """``Slot(block, offset)`` of token ``pos`` (``0 <= pos < seq_len``)."""
-        checks.seq(self, seq_id)
-        length = self.seq_lens[seq_id]
-        pos = checks.index("pos", pos, 0, length, f" for sequence {seq_id!r} of length {length}")
+        pos = checks.position(self, seq_id, pos)
         return Slot(self.tables[seq_id][pos // self.block_size], pos % self.block_size)
 
     def block_table(self, seq_ids: Iterable[Hashable], width: int | None = None) -> torch.Tensor:
@@ -220,12 +216,11 @@ class PagedKVCache:
 
     def ref_count(self, block_id: int) -> int:
         """How many tables hold block ``block_id`` (0: it is free)."""
-        block_id = as_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)
-        return self.ref_counts[block_id]
+        return self.ref_counts[checks.block_id(self, block_id)]
 
     def is_cached(self, block_id: int) -> bool:
         """Block ``block_id`` holds content that prefix caching can find (in use, or free but kept)."""
-        block_id = as_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)
+        block_id = checks.block_id(self, block_id)
         if self.prefix_cache is None:
             return False
         return self.prefix_cache.is_cached(block_id)

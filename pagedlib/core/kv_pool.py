@@ -58,10 +58,9 @@ class KVPool:
         """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair (copy-on-write)."""
         if not copies:
             return
-        sources = torch.tensor([source for source, _ in copies], device=self.device)
-        destinations = torch.tensor([destination for _, destination in copies], device=self.device)
+        pairs = torch.tensor(copies, device=self.device)  # [c, 2]: (source, destination) rows
         for pool in (self.k, self.v):
-            pool[destinations] = pool[sources]  # [c, L, block_size, H, D]
+            pool[pairs[:, 1]] = pool[pairs[:, 0]]  # [c, L, block_size, H, D]
 
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous copies of K and V at ``slots`` as stored: ``[num_layers, n, kv_heads, head_dim]``."""
