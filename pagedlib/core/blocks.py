@@ -42,7 +42,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
                  enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
         listed = set(free_order)
-        unlisted = [block for block in range(num_blocks - 1, -1, -1) if block not in listed]
+        unlisted = [block for block in reversed(range(num_blocks)) if block not in listed]
         # the top of the stack is the end of the list
         self.free = unlisted + list(reversed(free_order))
         self.num_blocks = num_blocks
@@ -147,21 +147,21 @@ class BlockManager:
         self.share([source])  # held, so not evicted to make room for its own copy
         taken: list[int] = []
         try:
-            if self.num_free_blocks > 0:
-                self.allocate(1, taken=taken)
-            if taken and copy is not None:
+            if self.num_free_blocks == 0:
+                return length
+            self.allocate(1, taken=taken)
+            if copy is not None:
                 copy([(source, taken[0])])
         except BaseException:
             self.release(taken)
             raise
         finally:
             self.release([source])
-        if taken:
-            self.tables[seq_id] += taken
-            self.seq_lens[seq_id] += extra
-            self.token_ids[seq_id] += prompt[length:length + extra]
-            self.prefix_cache.hit_tokens += extra
-        return self.seq_lens[seq_id]
+        self.tables[seq_id] += taken
+        self.seq_lens[seq_id] += extra
+        self.token_ids[seq_id] += prompt[length:length + extra]
+        self.prefix_cache.hit_tokens += extra
+        return length + extra
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """A new sequence sharing every block of ``parent_id``: nothing is copied until one of them writes."""

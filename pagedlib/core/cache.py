@@ -153,7 +153,7 @@ class PagedKVCache:
         become findable by prefix caching once ``write`` returns (without ``write``: at once)."""
         ids, counts, tokens = checks.reservation(self, seq_ids, counts, token_ids)
 
-        def copy_then_write(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        def copy_then_write(slots, copies):  # copies: (source, copy) block pairs
             self.pool.copy_blocks(copies)
             if write is not None:
                 write(slots)
@@ -165,7 +165,7 @@ class PagedKVCache:
         """Reserve, then copy and write K/V inside the reservation's all-or-nothing scope: the flat slots."""
         flat: list[int] = []
 
-        def write(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        def write(slots, copies):  # as reserve's, with the pool's K/V written here
             for sequence_slots in slots:
                 flat.extend(sequence_slots)
             self.pool.copy_blocks(copies)

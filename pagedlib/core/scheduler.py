@@ -34,8 +34,7 @@ class StepPlan:
     @property
     def work(self) -> list[tuple[Request, int]]:
         """(request, new tokens) in the order of the forward pass: decodes first."""
-        decodes = [(request, 1) for request in self.decode]
-        return decodes + self.prefill
+        return [(request, 1) for request in self.decode] + self.prefill
 
     @property
     def num_tokens(self) -> int:  # new tokens of the step's forward pass
