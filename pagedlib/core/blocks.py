@@ -108,15 +108,14 @@ class BlockManager:
         plan = []
         copied: Counter[int] = Counter()  # block -> sharers that copy it away in this call
         for seq_id, count in zip(seq_ids, counts):
-            partly_filled = self.seq_lens[seq_id] % self.block_size > 0
-            if count == 0 or not partly_filled:
-                plan.append(False)
-                continue
-            last = self.tables[seq_id][-1]
-            must_copy = self.ref_counts[last] - copied[last] > 1
+            must_copy = False
+            # it writes into a partly filled last block
+            if count > 0 and self.seq_lens[seq_id] % self.block_size > 0:
+                last = self.tables[seq_id][-1]
+                must_copy = self.ref_counts[last] - copied[last] > 1
+                if must_copy:
+                    copied[last] += 1
             plan.append(must_copy)
-            if must_copy:
-                copied[last] += 1
         return plan
 
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:

@@ -20,7 +20,7 @@ class KVPool:
                  v_scale: float | torch.Tensor = 1.0) -> None:
         shape = (num_blocks, num_layers, block_size, kv_heads, head_dim)
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
-        self.v = torch.full(shape, fill, dtype=dtype, device=device)
+        self.v = torch.full_like(self.k, fill)
         self.device = self.k.device  # normalised: "cuda" -> "cuda:0"
         self.num_layers = num_layers
         self.block_size = block_size

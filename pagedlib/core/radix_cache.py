@@ -7,24 +7,23 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pagedlib.core import _checks as checks
 from pagedlib.core.prefix_cache import lookup_stats
 from pagedlib.util import as_int
 
 
+@dataclass(eq=False, repr=False, slots=True)  # a node is itself: compared and hashed by identity
 class TreeNode:
     """A run of ``tokens`` (``len(blocks) * block_size`` ids) whose K/V lives in ``blocks``, in order."""
 
-    __slots__ = ("parent", "tokens", "blocks", "children", "last_used")
-
-    def __init__(self, parent: TreeNode | None, tokens: list[int], blocks: list[int],
-                 last_used: int) -> None:
-        self.parent = parent
-        self.tokens = tokens
-        self.blocks = blocks
-        self.last_used = last_used
-        self.children: dict[tuple[int, ...], TreeNode] = {}  # first block's token ids -> child
+    parent: TreeNode | None
+    tokens: list[int]
+    blocks: list[int]
+    last_used: int
+    # first block's token ids -> child
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
 
 
 class RadixCache:
