@@ -100,16 +100,16 @@ class RadixCache:
         candidates = [(node, index)]
         if index == len(node.blocks):
             candidates = [(child, 0) for child in node.children.values()]
-        scores = [(0, -1)]  # (tokens, block): the most tokens; of equals, the highest block id
+        # (tokens, block): the most tokens win; of equals, the highest block id; (0, -1) if none shares any
+        scores = [(0, -1)]
         for owner, position in candidates:
             page = owner.tokens[position * block_size:(position + 1) * block_size]
             same = 0
             while same < len(want) and page[same] == want[same]:
                 same += 1
-            scores.append((same, owner.blocks[position]))
+            if same > 0:
+                scores.append((same, owner.blocks[position]))
         tokens, block = max(scores)
-        if tokens == 0:
-            return -1, 0
         return block, tokens
 
     def insert(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
