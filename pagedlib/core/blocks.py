@@ -199,11 +199,10 @@ class BlockManager:
         for seq_id, count in zip(seq_ids, counts):
             blocks_after = ceil_div(self.seq_lens[seq_id] + count, self.block_size)
             needed += blocks_after - len(self.tables[seq_id])
-        if needed > self.num_free_blocks:
-            raise OutOfBlocksError(needed, self.num_free_blocks, what_for(seq_ids, counts))
         undo = Undo(cow_copies=self.cow_copies)
         try:
-            self.allocate(needed, taken=undo.taken)
+            # OutOfBlocksError before anything is taken
+            self.allocate(needed, what_for(seq_ids, counts), undo.taken)
             slots, copies = self._commit(seq_ids, counts, copy, token_ids, undo)
             if write is not None:
                 write(slots, copies)
