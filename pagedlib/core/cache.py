@@ -60,7 +60,7 @@ class PagedKVCache:
         self.prefix_cache_kind = prefix_cache
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,
                                     prefix_cache)
-        self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
+        self.pool = KVPool(sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
                            v_scale=self.v_scale)
         # read these; only the manager and the pool change them (in place)
         self.free = self.manager.free

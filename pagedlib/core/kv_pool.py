@@ -11,22 +11,20 @@ from pagedlib.core.fp8 import FP8_DTYPES, quantize
 
 
 class KVPool:
-    """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history; an fp8
-    pool stores ``x / k_scale`` (``v_scale``), saturated (``fp8.quantize``)."""
+    """K and V, each of ``shape`` ``(num_blocks, num_layers, block_size, kv_heads, head_dim)``, filled with
+    ``fill``. Writes never record autograd history; an fp8 pool stores ``x / k_scale`` (``v_scale``),
+    saturated (``fp8.quantize``)."""
 
-    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int,
-                 head_dim: int, *, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str,
                  fill: float = 0.0, k_scale: float | torch.Tensor = 1.0,
                  v_scale: float | torch.Tensor = 1.0) -> None:
-        shape = (num_blocks, num_layers, block_size, kv_heads, head_dim)
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
         self.v = torch.full_like(self.k, fill)
         self.device = self.k.device  # normalised: "cuda" -> "cuda:0"
-        self.num_layers = num_layers
-        self.block_size = block_size
+        _, self.num_layers, self.block_size, kv_heads, head_dim = shape
         self.flat = (-1, kv_heads, head_dim)  # a pool seen as rows of one token of one layer
-        layers = torch.arange(num_layers, device=self.device)
-        self.layer_rows = layers[:, None] * block_size  # [L, 1]: where each layer starts in a block
+        layers = torch.arange(self.num_layers, device=self.device)
+        self.layer_rows = layers[:, None] * self.block_size  # [L, 1]: where each layer starts in a block
         self.k_scale = k_scale
         self.v_scale = v_scale
 
