@@ -55,7 +55,8 @@ class PagedKVCache:
         sizes, order = checks.new_cache(sizes, dtype, device, free_order, fill,
                                         enable_prefix_caching, prefix_cache)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
-        self.k_scale, self.v_scale = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
+        scales = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
+        self.k_scale, self.v_scale = scales
         self.dtype: torch.dtype = dtype
         self.prefix_cache_kind = prefix_cache
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,

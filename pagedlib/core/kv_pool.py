@@ -24,7 +24,8 @@ class KVPool:
         _, self.num_layers, self.block_size, kv_heads, head_dim = shape
         self.flat = (-1, kv_heads, head_dim)  # a pool seen as rows of one token of one layer
         layers = torch.arange(self.num_layers, device=self.device)
-        self.layer_rows = layers[:, None] * self.block_size  # [L, 1]: where each layer starts in a block
+        # [L, 1]: where each layer starts in a block
+        self.layer_rows = layers[:, None] * self.block_size
         self.k_scale = k_scale
         self.v_scale = v_scale
 

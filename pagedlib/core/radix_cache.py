@@ -220,7 +220,8 @@ class RadixCache:
                 self._remove_leaf(node)
             self.evicted_blocks += 1
             return block
-        raise RuntimeError("no leaf of the radix tree is free to evict: running requests hold them all")
+        raise RuntimeError("no leaf of the radix tree is free to evict: "
+                           "running requests hold them all")
 
     def _remove_leaf(self, node: TreeNode) -> None:
         """Detach an emptied ``node``; a parent left childless with a free last block may be evicted next."""
