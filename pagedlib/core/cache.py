@@ -57,7 +57,7 @@ class PagedKVCache:
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
         scales = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
         self.k_scale, self.v_scale = scales
-        self.dtype: torch.dtype = dtype
+        self.dtype = dtype
         self.prefix_cache_kind = prefix_cache
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,
                                     prefix_cache)

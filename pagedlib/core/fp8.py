@@ -45,7 +45,7 @@ def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_h
     head_dim]``, finite; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An all-zero head gets 1.0."""
     check_calibration(x, dtype, per_kv_head)
     # [kv_heads, all the rest]
-    heads = x.detach().abs().float().movedim(-2, 0).reshape(x.shape[-2], -1)
+    heads = x.detach().abs().float().movedim(-2, 0).flatten(1)
     amax = heads.amax(1)                                                       # [kv_heads]
     if not per_kv_head:
         amax = amax.max()[None]                                                # [1]

@@ -175,8 +175,7 @@ class RadixCache:
         self.free_queue[block] = None
         self.clock += 1
         node.last_used = self.clock
-        if not node.children and node.blocks[-1] in self.free_queue:
-            heapq.heappush(self.leaves, (node.last_used, id(node), node))
+        self._offer_leaf(node)
         return True
 
     def forget(self, block: int) -> None:
@@ -214,8 +213,7 @@ class RadixCache:
             del self.node_of[block]
             del self.free_queue[block]
             if node.blocks:
-                # its new last block may go next
-                heapq.heappush(self.leaves, (used, id(node), node))
+                self._offer_leaf(node)  # its new last block may go next
             else:
                 self._remove_leaf(node)
             self.evicted_blocks += 1
@@ -224,12 +222,17 @@ class RadixCache:
                            "running requests hold them all")
 
     def _remove_leaf(self, node: TreeNode) -> None:
-        """Detach an emptied ``node``; a parent left childless with a free last block may be evicted next."""
+        """Detach an emptied ``node``; its parent may become a leaf to evict."""
         parent = node.parent  # never None: the root holds no block, so it is never emptied
         siblings = parent.children.items()
         parent.children = {key: child for key, child in siblings if child is not node}
-        if parent is not self.root and not parent.children and parent.blocks[-1] in self.free_queue:
-            heapq.heappush(self.leaves, (parent.last_used, id(parent), parent))
+        self._offer_leaf(parent)
+
+    def _offer_leaf(self, node: TreeNode) -> None:
+        """A leaf whose last block nobody holds joins the heap of eviction candidates (an entry that goes
+        stale is skipped by ``evict``)."""
+        if node is not self.root and not node.children and node.blocks[-1] in self.free_queue:
+            heapq.heappush(self.leaves, (node.last_used, id(node), node))
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now, nodes."""
