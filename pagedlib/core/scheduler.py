@@ -133,12 +133,8 @@ class Scheduler:
         """Free the newest running request's blocks and queue it first again: its K/V will be
         computed again (less what the prefix cache still finds)."""
         request = self.running[-1]
-        self.free(request)
-        self.running.pop()
         request.lost_tokens = request.num_computed_tokens
-        request.num_computed_tokens = 0
-        request.status = Status.PREEMPTED
-        self.waiting.appendleft(request)
+        self.requeue(request, Status.PREEMPTED)
         return request
 
     def schedule_waiting(self, plan: StepPlan, pending: int) -> None:
@@ -156,7 +152,7 @@ class Scheduler:
                 admitted.append((request, status))
         except BaseException:
             for request, status in reversed(admitted):
-                self.unadmit(request, status)
+                self.requeue(request, status)  # as it was
             raise
 
     def admit(self, plan: StepPlan, request: Request, pending: int) -> int | None:
@@ -211,8 +207,9 @@ class Scheduler:
             token_ids = request.token_ids
         return self.cache.add_sequence(request.req_id, token_ids)
 
-    def unadmit(self, request: Request, status: Status) -> None:
-        """Undo ``admit``: free what it attached and queue ``request`` first again, as it was."""
+    def requeue(self, request: Request, status: Status) -> None:
+        """Free ``request``'s blocks and queue it first again with ``status``, nothing computed: a
+        preemption, or the undoing of an admission."""
         self.free(request)
         self.running.remove(request)
         self.waiting.appendleft(request)
