@@ -1,4 +1,5 @@
-"""``PagedKVCache``'s argument checks, run before anything changes (metadata only: no device sync)."""
+"""The core's argument checks, run before anything changes (metadata only: no device sync): the cache's
+and a ``Request``'s, with the errors they raise and the text those show."""
 
 from __future__ import annotations
 
@@ -29,6 +30,31 @@ class UnknownSequenceError(KeyError):
     def __str__(self) -> str:  # KeyError would print only repr(args)
         shown = ", ".join(repr(s) for s in self.live[:8]) + (", ..." if len(self.live) > 8 else "")
         return f"unknown sequence id {self.seq_id!r} (live sequences: [{shown}])"
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool has fewer free blocks than a call needs. Nothing was changed (``args`` survive pickle)."""
+
+    def __init__(self, needed: int, free: int, what: str = "") -> None:
+        super().__init__(needed, free, what)
+        self.needed = needed
+        self.free = free
+        self.what = what
+
+    def __str__(self) -> str:
+        where = ""
+        if self.what:
+            where = f" for {self.what}"
+        return f"out of KV blocks{where}: {self.needed} needed, {self.free} free"
+
+
+def what_for(seq_ids: Sequence[Hashable], counts: Sequence[int]) -> str:
+    """What ``reserve`` wanted blocks for, as ``OutOfBlocksError`` names it."""
+    if len(seq_ids) != 1:
+        return f"a batch of {len(seq_ids)} sequences"
+    if counts[0] == 1:
+        return f"sequence {seq_ids[0]!r}"
+    return f"{counts[0]} tokens of sequence {seq_ids[0]!r}"
 
 
 def new_cache(sizes: tuple, dtype: object, device: object, free_order: object, fill: object,
@@ -108,6 +134,8 @@ def appended(cache, k: object, v: object, tokens: object, n: int | None = None,
              dims: str = "[num_layers, n, kv_heads, head_dim]", one: bool = False) -> list[int] | None:
     """K and V ``[num_layers, n, kv_heads, head_dim]`` (``n=None``: as ``k`` says; ``one``: a single token,
     ``[num_layers, kv_heads, head_dim]``): dense, the pools' dtype and device, no view of them; their ids."""
+    if one:
+        dims = "[num_layers, kv_heads, head_dim]"
     L, H, D = cache.num_layers, cache.kv_heads, cache.head_dim
     shape = (L, H, D) if one else (L, n, H, D)
     for name, t in zip(("k_vec", "v_vec") if one else ("k", "v"), (k, v)):
@@ -135,6 +163,37 @@ def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple
         raise ValueError(f"counts must be a list of {len(ids)} ints, one per sequence, got {counts!r}")
     counts = [as_int(f"counts[{i}]", n, minimum=0) for i, n in enumerate(counts)]
     return ids, counts, token_ids(cache, "token_ids", tokens, sum(counts))
+
+
+def request_fields(request: object) -> None:
+    """A new ``Request``'s fields, checked and made plain in place: ints, ``prompt_tokens`` a tuple."""
+    request.req_id = as_int("req_id", request.req_id, minimum=0)
+    request.arrival = as_int("arrival", request.arrival, minimum=0)
+    request.prompt_len = as_int("prompt_len", request.prompt_len, minimum=1)
+    request.output_len = as_int("output_len", request.output_len, minimum=1)
+    if request.prompt_tokens is not None:
+        tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in request.prompt_tokens)
+        if len(tokens) != request.prompt_len:
+            raise ValueError(f"prompt_tokens must hold prompt_len = {request.prompt_len} ids, "
+                             f"got {len(tokens)}")
+        request.prompt_tokens = tokens
+
+
+def page(tokens: Sequence[int], block_size: int) -> None:
+    """A prefix cache's one block of token ids."""
+    if len(tokens) != block_size:
+        raise ValueError(f"tokens must hold block_size={block_size} token ids, got {len(tokens)}")
+
+
+def position(cache, seq_id: Hashable, pos: object) -> int:
+    """Token ``pos`` of live sequence ``seq_id``: ``0 <= pos < seq_len``."""
+    seq(cache, seq_id)
+    length = cache.seq_lens[seq_id]
+    return index("pos", pos, 0, length, f" for sequence {seq_id!r} of length {length}")
+
+
+def block_id(cache, block_id: object) -> int:
+    return as_int("block_id", block_id, minimum=0, maximum=cache.num_blocks - 1)
 
 
 def index(name: str, i: object, lo: int, hi: int, where: str = "") -> int:

@@ -5,30 +5,16 @@ One thread at a time, like nano-vllm and vLLM: a caller sharing it between threa
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pagedlib import testing
+from pagedlib.core._checks import OutOfBlocksError, what_for  # OutOfBlocksError: re-exported
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.testing import InvariantError  # noqa: F401 (re-exported: callers import it from here)
 from pagedlib.util import ceil_div
-
-
-class OutOfBlocksError(RuntimeError):
-    """The pool has fewer free blocks than a call needs. Nothing was changed (``args`` survive pickle)."""
-
-    def __init__(self, needed: int, free: int, what: str = "") -> None:
-        super().__init__(needed, free, what)
-        self.needed = needed
-        self.free = free
-        self.what = what
-
-    def __str__(self) -> str:
-        where = ""
-        if self.what:
-            where = f" for {self.what}"
-        return f"out of KV blocks{where}: {self.needed} needed, {self.free} free"
 
 
 @dataclass
@@ -37,12 +23,10 @@ class Undo:
 
     cow_copies: int                                          # the counter before the call
     taken: list[int] = field(default_factory=list)           # blocks allocated, each held once
-    seq_ids: list[Hashable] = field(default_factory=list)    # sequences changed, in order
-    # each one's table before, as its length and last block: a reserve changes a table only from its
-    # last block on (copy-on-write, new blocks, a swapped duplicate), so no copy of the table is needed
-    held: list[int] = field(default_factory=list)
-    last: list[int | None] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)         # each one's length before
+    # each sequence changed, in order: (seq_id, start, table[start:], length) before the call, start
+    # its last block's index: a reserve changes a table only from its last block on (copy-on-write, new
+    # blocks, a swapped duplicate), so no copy of the whole table is needed
+    sequences: list[tuple[Hashable, int, list[int], int]] = field(default_factory=list)
     # shared blocks copied away: count before
     copied: dict[int, int] = field(default_factory=dict)
     # (duplicate, tree block) in a table
@@ -56,7 +40,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
                  enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
         listed = set(free_order)
-        unlisted = [block for block in range(num_blocks - 1, -1, -1) if block not in listed]
+        unlisted = [block for block in reversed(range(num_blocks)) if block not in listed]
         # the top of the stack is the end of the list
         self.free = unlisted + list(reversed(free_order))
         self.num_blocks = num_blocks
@@ -120,17 +104,16 @@ class BlockManager:
         """Which sequences must copy their last block before appending: it is partly filled and another table
         holds it. Of several sharers appending at once, the last one writes in place."""
         plan = []
-        copied: dict[int, int] = {}  # block -> sharers that copy it away in this call
+        copied: Counter[int] = Counter()  # block -> sharers that copy it away in this call
         for seq_id, count in zip(seq_ids, counts):
-            partly_filled = self.seq_lens[seq_id] % self.block_size > 0
-            if count == 0 or not partly_filled:
-                plan.append(False)
-                continue
-            last = self.tables[seq_id][-1]
-            must_copy = self.ref_counts[last] - copied.get(last, 0) > 1
+            must_copy = False
+            # it writes into a partly filled last block
+            if count > 0 and self.seq_lens[seq_id] % self.block_size > 0:
+                last = self.tables[seq_id][-1]
+                must_copy = self.ref_counts[last] - copied[last] > 1
+                if must_copy:
+                    copied[last] += 1
             plan.append(must_copy)
-            if must_copy:
-                copied[last] = copied.get(last, 0) + 1
         return plan
 
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
@@ -140,12 +123,11 @@ class BlockManager:
         if self.prefix_cache is not None and prompt:
             found = self.prefix_cache.lookup(prompt)
         self.share(found)
+        length = len(found) * self.block_size
         self.tables[seq_id] = found
-        self.seq_lens[seq_id] = len(found) * self.block_size
-        self.token_ids[seq_id] = []
-        if self.prefix_cache is not None:
-            self.token_ids[seq_id] = list(prompt[:self.seq_lens[seq_id]])
-        return self.seq_lens[seq_id]
+        self.seq_lens[seq_id] = length
+        self.token_ids[seq_id] = list(prompt[:length])  # empty without prefix caching
+        return length
 
     def share_partial_block(self, seq_id: Hashable, prompt: Sequence[int],
                             copy: Callable[[list], None] | None = None) -> int:
@@ -162,21 +144,21 @@ class BlockManager:
         self.share([source])  # held, so not evicted to make room for its own copy
         taken: list[int] = []
         try:
-            if self.num_free_blocks > 0:
-                self.allocate(1, taken=taken)
-            if taken and copy is not None:
+            if self.num_free_blocks == 0:
+                return length
+            self.allocate(1, taken=taken)
+            if copy is not None:
                 copy([(source, taken[0])])
         except BaseException:
             self.release(taken)
             raise
         finally:
             self.release([source])
-        if taken:
-            self.tables[seq_id] += taken
-            self.seq_lens[seq_id] += extra
-            self.token_ids[seq_id] += prompt[length:length + extra]
-            self.prefix_cache.hit_tokens += extra
-        return self.seq_lens[seq_id]
+        self.tables[seq_id] += taken
+        self.seq_lens[seq_id] += extra
+        self.token_ids[seq_id] += prompt[length:length + extra]
+        self.prefix_cache.hit_tokens += extra
+        return length + extra
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """A new sequence sharing every block of ``parent_id``: nothing is copied until one of them writes."""
@@ -208,11 +190,10 @@ class BlockManager:
         for seq_id, count in zip(seq_ids, counts):
             blocks_after = ceil_div(self.seq_lens[seq_id] + count, self.block_size)
             needed += blocks_after - len(self.tables[seq_id])
-        if needed > self.num_free_blocks:
-            raise OutOfBlocksError(needed, self.num_free_blocks, _what(seq_ids, counts))
         undo = Undo(cow_copies=self.cow_copies)
         try:
-            self.allocate(needed, taken=undo.taken)
+            # OutOfBlocksError before anything is taken
+            self.allocate(needed, what_for(seq_ids, counts), undo.taken)
             slots, copies = self._commit(seq_ids, counts, copy, token_ids, undo)
             if write is not None:
                 write(slots, copies)
@@ -234,16 +215,14 @@ class BlockManager:
         for seq_id, count, copy_last in zip(seq_ids, counts, copy):
             table = self.tables[seq_id]
             length = self.seq_lens[seq_id]
-            undo.seq_ids.append(seq_id)
-            undo.held.append(len(table))
-            undo.last.append(table[-1] if table else None)
-            undo.lengths.append(length)
+            start = max(len(table) - 1, 0)
+            undo.sequences.append((seq_id, start, table[start:], length))
             # the other holders keep the shared last block; this sequence writes a copy
             if copy_last:
-                shared = table.pop()
+                shared = table[-1]
                 undo.copied.setdefault(shared, self.ref_counts[shared])
-                copies.append((shared, next(new_blocks)))
-                table.append(copies[-1][1])
+                table[-1] = next(new_blocks)
+                copies.append((shared, table[-1]))
                 self.release([shared])
                 self.cow_copies += 1
             while len(table) < ceil_div(length + count, block_size):
@@ -252,17 +231,14 @@ class BlockManager:
                           for p in range(length, length + count)])
             self.seq_lens[seq_id] = length + count
             if self.prefix_cache is not None:  # then token_ids come with every append
-                new_ids = token_ids[first_token:first_token + count]  # type: ignore[index]
-                self.token_ids[seq_id] += new_ids
+                self.token_ids[seq_id] += token_ids[first_token:first_token + count]  # type: ignore
                 first_token += count
         return slots, copies
 
     def _register(self, undo: Undo) -> None:
         """Make the blocks that ``undo``'s sequences just filled findable by their token ids."""
         block_size = self.block_size
-        prefix_cache = self.prefix_cache
-        assert prefix_cache is not None
-        for seq_id, length in zip(undo.seq_ids, undo.lengths):
+        for seq_id, _, _, length in undo.sequences:
             table = self.tables[seq_id]
             tokens = self.token_ids[seq_id]
             for index in range(length // block_size, self.seq_lens[seq_id] // block_size):
@@ -270,7 +246,7 @@ class BlockManager:
                 if index > 0:
                     parent = table[index - 1]
                 page = tokens[index * block_size:(index + 1) * block_size]
-                found = prefix_cache.register(table[index], parent, page)
+                found = self.prefix_cache.register(table[index], parent, page)  # type: ignore
                 # the tree holds this content already: hold its block instead
                 if found != table[index]:
                     self.share([found])
@@ -287,15 +263,12 @@ class BlockManager:
             # it was a free cached block: back in the queue, not "used now"
             if self.ref_counts[found] == 0:
                 self.prefix_cache.free_queue[found] = None  # type: ignore[union-attr]
-        for seq_id, held, last, length in zip(undo.seq_ids, undo.held, undo.last, undo.lengths):
-            table = self.tables[seq_id]
-            del table[max(held - 1, 0):]
-            if last is not None:
-                table.append(last)
+        for seq_id, start, tail, length in undo.sequences:
+            self.tables[seq_id][start:] = tail
             self.seq_lens[seq_id] = length
             del self.token_ids[seq_id][length:]
             if self.prefix_cache is not None and length % self.block_size:
-                self.prefix_cache.forget(last)  # partly filled again
+                self.prefix_cache.forget(tail[0])  # its last block: partly filled again
         if self.prefix_cache is not None:
             for block in undo.taken:  # registered just now, or evicted (gone already)
                 self.prefix_cache.forget(block)
@@ -316,11 +289,4 @@ class BlockManager:
     holders = testing.holders  # (sequence, logical index) of every table entry naming each block
     check_invariants = testing.check_invariants  # InvariantError naming the first broken invariant
 
-
-def _what(seq_ids: Sequence[Hashable], counts: Sequence[int]) -> str:
-    if len(seq_ids) != 1:
-        return f"a batch of {len(seq_ids)} sequences"
-    if counts[0] == 1:
-        return f"sequence {seq_ids[0]!r}"
-    return f"{counts[0]} tokens of sequence {seq_ids[0]!r}"
 

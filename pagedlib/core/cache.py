@@ -19,7 +19,6 @@ from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError 
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
-from pagedlib.util import as_int
 
 
 class Slot(NamedTuple):
@@ -53,12 +52,13 @@ class PagedKVCache:
         sizes, order = checks.new_cache(sizes, dtype, device, free_order, fill,
                                         enable_prefix_caching, prefix_cache)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
-        self.k_scale, self.v_scale = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
-        self.dtype: torch.dtype = dtype
+        scales = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
+        self.k_scale, self.v_scale = scales
+        self.dtype = dtype
         self.prefix_cache_kind = prefix_cache
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,
                                     prefix_cache)
-        self.pool = KVPool(*sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
+        self.pool = KVPool(sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
                            v_scale=self.v_scale)
         # read these; only the manager and the pool change them (in place)
         self.free = self.manager.free
@@ -81,7 +81,7 @@ class PagedKVCache:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.manager.num_free_blocks
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_tokens(self) -> int:
@@ -131,8 +131,7 @@ class PagedKVCache:
                      token_id: int | None = None) -> Slot:
         """Append one token (``k_vec``, ``v_vec``: ``[num_layers, kv_heads, head_dim]``); returns its slot."""
         checks.seq(self, seq_id)
-        dims = "[num_layers, kv_heads, head_dim]"
-        ids = checks.appended(self, k_vec, v_vec, token_id, dims=dims, one=True)
+        ids = checks.appended(self, k_vec, v_vec, token_id, one=True)
         slot = self._append([seq_id], [1], k_vec[:, None], v_vec[:, None], ids)[0]  # [L, 1, H, D]
         return Slot(*divmod(slot, self.block_size))
 
@@ -152,7 +151,7 @@ class PagedKVCache:
         become findable by prefix caching once ``write`` returns (without ``write``: at once)."""
         ids, counts, tokens = checks.reservation(self, seq_ids, counts, token_ids)
 
-        def copy_then_write(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        def copy_then_write(slots, copies):  # copies: (source, copy) block pairs
             self.pool.copy_blocks(copies)
             if write is not None:
                 write(slots)
@@ -164,7 +163,7 @@ class PagedKVCache:
         """Reserve, then copy and write K/V inside the reservation's all-or-nothing scope: the flat slots."""
         flat: list[int] = []
 
-        def write(slots: list[list[int]], copies: list[tuple[int, int]]) -> None:
+        def write(slots, copies):  # as reserve's, with the pool's K/V written here
             for sequence_slots in slots:
                 flat.extend(sequence_slots)
             self.pool.copy_blocks(copies)
@@ -180,9 +179,7 @@ class PagedKVCache:
 
     def slot(self, seq_id: Hashable, pos: int) -> Slot:
         """``Slot(block, offset)`` of token ``pos`` (``0 <= pos < seq_len``)."""
-        checks.seq(self, seq_id)
-        length = self.seq_lens[seq_id]
-        pos = checks.index("pos", pos, 0, length, f" for sequence {seq_id!r} of length {length}")
+        pos = checks.position(self, seq_id, pos)
         return Slot(self.tables[seq_id][pos // self.block_size], pos % self.block_size)
 
     def block_table(self, seq_ids: Iterable[Hashable], width: int | None = None) -> torch.Tensor:
@@ -212,12 +209,11 @@ class PagedKVCache:
 
     def ref_count(self, block_id: int) -> int:
         """How many tables hold block ``block_id`` (0: it is free)."""
-        block_id = as_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)
-        return self.ref_counts[block_id]
+        return self.ref_counts[checks.block_id(self, block_id)]
 
     def is_cached(self, block_id: int) -> bool:
         """Block ``block_id`` holds content that prefix caching can find (in use, or free but kept)."""
-        block_id = as_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1)
+        block_id = checks.block_id(self, block_id)
         if self.prefix_cache is None:
             return False
         return self.prefix_cache.is_cached(block_id)

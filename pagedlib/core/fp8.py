@@ -11,7 +11,8 @@ import torch
 # the checks live with the cache's (core/_checks.py); the kernels take a scale through check_scale too
 from pagedlib.core._checks import FP8_DTYPES, check_calibration, check_fp8_input, check_scale, check_scales
 
-__all__ = ["FP8_DTYPES", "check_scale", "check_scales", "dequantize", "kv_scale", "per_head", "quantize"]
+__all__ = ["FP8_DTYPES", "check_scale", "check_scales", "dequantize", "kv_scale", "per_head",
+           "quantize"]
 
 
 def per_head(scale: float | torch.Tensor) -> float | torch.Tensor:
@@ -43,7 +44,8 @@ def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_h
     (vLLM's ``calculate_kv_scales`` divides by 200 for K, 100 for V: headroom). ``x``: ``[..., kv_heads,
     head_dim]``, finite; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An all-zero head gets 1.0."""
     check_calibration(x, dtype, per_kv_head)
-    heads = x.detach().abs().float().movedim(-2, 0).reshape(x.shape[-2], -1)  # [kv_heads, all the rest]
+    # [kv_heads, all the rest]
+    heads = x.detach().abs().float().movedim(-2, 0).flatten(1)
     amax = heads.amax(1)                                                       # [kv_heads]
     if not per_kv_head:
         amax = amax.max()[None]                                                # [1]

@@ -11,22 +11,21 @@ from pagedlib.core.fp8 import FP8_DTYPES, quantize
 
 
 class KVPool:
-    """K and V of ``num_blocks`` blocks, filled with ``fill``. Writes never record autograd history; an fp8
-    pool stores ``x / k_scale`` (``v_scale``), saturated (``fp8.quantize``)."""
+    """K and V, each of ``shape`` ``(num_blocks, num_layers, block_size, kv_heads, head_dim)``, filled with
+    ``fill``. Writes never record autograd history; an fp8 pool stores ``x / k_scale`` (``v_scale``),
+    saturated (``fp8.quantize``)."""
 
-    def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int,
-                 head_dim: int, *, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str,
                  fill: float = 0.0, k_scale: float | torch.Tensor = 1.0,
                  v_scale: float | torch.Tensor = 1.0) -> None:
-        shape = (num_blocks, num_layers, block_size, kv_heads, head_dim)
         self.k = torch.full(shape, fill, dtype=dtype, device=device)
-        self.v = torch.full(shape, fill, dtype=dtype, device=device)
+        self.v = torch.full_like(self.k, fill)
         self.device = self.k.device  # normalised: "cuda" -> "cuda:0"
-        self.num_layers = num_layers
-        self.block_size = block_size
+        _, self.num_layers, self.block_size, kv_heads, head_dim = shape
         self.flat = (-1, kv_heads, head_dim)  # a pool seen as rows of one token of one layer
-        layers = torch.arange(num_layers, device=self.device)
-        self.layer_rows = layers[:, None] * block_size  # [L, 1]: where each layer starts in a block
+        layers = torch.arange(self.num_layers, device=self.device)
+        # [L, 1]: where each layer starts in a block
+        self.layer_rows = layers[:, None] * self.block_size
         self.k_scale = k_scale
         self.v_scale = v_scale
 
@@ -58,10 +57,9 @@ class KVPool:
         """Copy block ``src`` to block ``dst`` (every layer, K and V) for each pair (copy-on-write)."""
         if not copies:
             return
-        sources = torch.tensor([source for source, _ in copies], device=self.device)
-        destinations = torch.tensor([destination for _, destination in copies], device=self.device)
+        pairs = torch.tensor(copies, device=self.device)  # [c, 2]: (source, destination) rows
         for pool in (self.k, self.v):
-            pool[destinations] = pool[sources]  # [c, L, block_size, H, D]
+            pool[pairs[:, 1]] = pool[pairs[:, 0]]  # [c, L, block_size, H, D]
 
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous copies of K and V at ``slots`` as stored: ``[num_layers, n, kv_heads, head_dim]``."""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlib.core import _checks as checks
 from pagedlib.util import as_int
 
 
@@ -88,9 +89,7 @@ class PrefixCache:
     def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
         """``block`` just became full with ``tokens`` after block ``parent``: it gets its key and is found
         by it, unless another block holds the same content (vLLM keeps such a duplicate): ``block``."""
-        if len(tokens) != self.block_size:
-            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, "
-                             f"got {len(tokens)}")
+        checks.page(tokens, self.block_size)
         parent_key = None
         if parent is not None:
             parent_key = self.keys[parent]

@@ -7,24 +7,24 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pagedlib import testing
+from pagedlib.core import _checks as checks
 from pagedlib.core.prefix_cache import lookup_stats
 from pagedlib.util import as_int
 
 
+@dataclass(eq=False, repr=False, slots=True)  # a node is itself: compared and hashed by identity
 class TreeNode:
     """A run of ``tokens`` (``len(blocks) * block_size`` ids) whose K/V lives in ``blocks``, in order."""
 
-    __slots__ = ("parent", "tokens", "blocks", "children", "last_used")
-
-    def __init__(self, parent: TreeNode | None, tokens: list[int], blocks: list[int],
-                 last_used: int) -> None:
-        self.parent = parent
-        self.tokens = tokens
-        self.blocks = blocks
-        self.last_used = last_used
-        self.children: dict[tuple[int, ...], TreeNode] = {}  # first block's token ids -> child
+    parent: TreeNode | None
+    tokens: list[int]
+    blocks: list[int]
+    last_used: int
+    # first block's token ids -> child
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
 
 
 class RadixCache:
@@ -52,28 +52,21 @@ class RadixCache:
         block_size = self.block_size
         ids = list(token_ids[:(len(token_ids) - 1) // block_size * block_size])
         node = self.root
+        matched = 0  # blocks of ``node`` matched so far
         found: list[int] = []
-        while len(found) * block_size < len(ids):
-            at = len(found) * block_size
-            child = node.children.get(tuple(ids[at:at + block_size]))
-            if child is None:
-                break
-            run = child.tokens
-            if run == ids[at:at + len(run)]:  # the whole run matches: one list comparison
-                found += child.blocks
+        for at in range(0, len(ids), block_size):
+            page = ids[at:at + block_size]
+            if matched == len(node.blocks):  # the end of this node's run: a child may go on
+                child = node.children.get(tuple(page))
+                if child is None:
+                    break
                 node = child
-                continue
-            matched = 1  # the first block matched by its key
-            most = min(len(run), len(ids) - at) // block_size
-            # bisect for the last matching block: each test is one list comparison
-            while matched < most:
-                middle = (matched + most + 1) // 2
-                if run[:middle * block_size] == ids[at:at + middle * block_size]:
-                    matched = middle
-                else:
-                    most = middle - 1
-            return found + child.blocks[:matched], child, matched
-        return found, node, len(node.blocks)
+                matched = 0
+            elif node.tokens[matched * block_size:(matched + 1) * block_size] != page:
+                break
+            found.append(node.blocks[matched])
+            matched += 1
+        return found, node, matched
 
     def peek(self, token_ids: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest run of full leading blocks of ``token_ids``."""
@@ -104,25 +97,21 @@ class RadixCache:
         if found:
             node = self.node_of[found[-1]]
             index = node.blocks.index(found[-1]) + 1
-        if index < len(node.blocks):  # the run goes on inside this node: one candidate
-            page = node.tokens[index * block_size:(index + 1) * block_size]
-            candidates = [(node.blocks[index], page)]
-        else:  # the run ends here: each child's first block
-            children = node.children.values()
-            candidates = [(child.blocks[0], child.tokens[:block_size]) for child in children]
-        best_block = -1
-        best = 0
-        for block, page in candidates:
+        # the run goes on inside this node: one candidate; else each child's first block
+        candidates = [(node, index)]
+        if index == len(node.blocks):
+            candidates = [(child, 0) for child in node.children.values()]
+        # (tokens, block): the most tokens win; of equals, the highest block id; (0, -1) if none shares any
+        scores = [(0, -1)]
+        for owner, position in candidates:
+            page = owner.tokens[position * block_size:(position + 1) * block_size]
             same = 0
             while same < len(want) and page[same] == want[same]:
                 same += 1
-            # the most tokens; of equals, the highest block id
-            if (same, block) > (best, best_block):
-                best_block = block
-                best = same
-        if best == 0:
-            return -1, 0
-        return best_block, best
+            if same > 0:
+                scores.append((same, owner.blocks[position]))
+        tokens, block = max(scores)
+        return block, tokens
 
     def insert(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
         """``block`` just became full with ``tokens`` after block ``parent``: it extends its parent's run when
@@ -130,9 +119,7 @@ class RadixCache:
         ``block``, or the block that holds it already (computed twice at once: the caller then holds that
         one and frees its duplicate, as SGLang's insert does). A block whose parent is not in the tree stays
         out of it."""
-        if len(tokens) != self.block_size:
-            raise ValueError(f"tokens must hold block_size={self.block_size} token ids, "
-                             f"got {len(tokens)}")
+        checks.page(tokens, self.block_size)
         node = self.root
         if parent is not None:
             node = self.node_of.get(parent)
@@ -189,8 +176,7 @@ class RadixCache:
         self.free_queue[block] = None
         self.clock += 1
         node.last_used = self.clock
-        if not node.children and node.blocks[-1] in self.free_queue:
-            heapq.heappush(self.leaves, (node.last_used, id(node), node))
+        self._offer_leaf(node)
         return True
 
     def forget(self, block: int) -> None:
@@ -228,23 +214,26 @@ class RadixCache:
             del self.node_of[block]
             del self.free_queue[block]
             if node.blocks:
-                # its new last block may go next
-                heapq.heappush(self.leaves, (used, id(node), node))
+                self._offer_leaf(node)  # its new last block may go next
             else:
                 self._remove_leaf(node)
             self.evicted_blocks += 1
             return block
-        raise RuntimeError("no leaf of the radix tree is free to evict: running requests hold them all")
+        raise RuntimeError("no leaf of the radix tree is free to evict: "
+                           "running requests hold them all")
 
     def _remove_leaf(self, node: TreeNode) -> None:
-        """Detach an emptied ``node``; a parent left childless with a free last block may be evicted next."""
-        parent = node.parent
-        if parent is None:
-            return
+        """Detach an emptied ``node``; its parent may become a leaf to evict."""
+        parent = node.parent  # never None: the root holds no block, so it is never emptied
         siblings = parent.children.items()
         parent.children = {key: child for key, child in siblings if child is not node}
-        if parent is not self.root and not parent.children and parent.blocks[-1] in self.free_queue:
-            heapq.heappush(self.leaves, (parent.last_used, id(parent), parent))
+        self._offer_leaf(parent)
+
+    def _offer_leaf(self, node: TreeNode) -> None:
+        """A leaf whose last block nobody holds joins the heap of eviction candidates (an entry that goes
+        stale is skipped by ``evict``)."""
+        if node is not self.root and not node.children and node.blocks[-1] in self.free_queue:
+            heapq.heappush(self.leaves, (node.last_used, id(node), node))
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now, nodes."""

@@ -4,9 +4,9 @@ and vLLM's ``Request``. Its blocks live in the cache, under its ``req_id``."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pagedlib.util import as_int
+from pagedlib.core import _checks as checks
 
 
 class Status(enum.Enum):
@@ -27,29 +27,17 @@ class Request:
     prompt_len: int
     output_len: int
     prompt_tokens: tuple[int, ...] | None = None
-    # the state the scheduler changes (not compared, not shown)
-    # sampled so far
-    output_tokens: list[int] = field(default_factory=list, init=False, compare=False, repr=False)
-    # K/V computed: stored, or found cached
-    num_computed_tokens: int = field(default=0, init=False, compare=False, repr=False)
-    # K/V its last preemption threw away
-    lost_tokens: int = field(default=0, init=False, compare=False, repr=False)
-    status: Status = field(default=Status.WAITING, init=False, compare=False, repr=False)
 
     def __hash__(self) -> int:
         return hash(self.req_id)
 
     def __post_init__(self) -> None:
-        self.req_id = as_int("req_id", self.req_id, minimum=0)
-        self.arrival = as_int("arrival", self.arrival, minimum=0)
-        self.prompt_len = as_int("prompt_len", self.prompt_len, minimum=1)
-        self.output_len = as_int("output_len", self.output_len, minimum=1)
-        if self.prompt_tokens is not None:
-            tokens = tuple(as_int("prompt_tokens[i]", t, minimum=0) for t in self.prompt_tokens)
-            if len(tokens) != self.prompt_len:
-                raise ValueError(f"prompt_tokens must hold prompt_len = {self.prompt_len} ids, "
-                                 f"got {len(tokens)}")
-            self.prompt_tokens = tokens
+        checks.request_fields(self)  # ints as ints, prompt_tokens a tuple of prompt_len ids
+        # the state the scheduler changes: not fields, so neither compared nor shown
+        self.output_tokens: list[int] = []  # sampled so far
+        self.num_computed_tokens = 0  # K/V computed: stored, or found cached
+        self.lost_tokens = 0  # K/V its last preemption threw away
+        self.status = Status.WAITING
 
     @property
     def num_tokens(self) -> int:  # prompt and generated

@@ -4,14 +4,14 @@ whole in one step (notebooks 07, 08); with one, prompts are cut into chunks (not
 
 from __future__ import annotations
 
-import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedlib.core import _scheduler_checks as checks
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.core.request import Request, Status
-from pagedlib.util import as_int, ceil_div, refuse
+from pagedlib.util import ceil_div
 
 
 @dataclass
@@ -34,8 +34,7 @@ class StepPlan:
     @property
     def work(self) -> list[tuple[Request, int]]:
         """(request, new tokens) in the order of the forward pass: decodes first."""
-        decodes = [(request, 1) for request in self.decode]
-        return decodes + self.prefill
+        return [(request, 1) for request in self.decode] + self.prefill
 
     @property
     def num_tokens(self) -> int:  # new tokens of the step's forward pass
@@ -56,15 +55,12 @@ class Scheduler:
                  max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
                  watermark: float = 0.01, max_model_len: int = 2048) -> None:
-        _check_scheduler(cache, watermark, long_prefill_token_threshold, max_num_batched_tokens)
+        limits = checks.scheduler(cache, max_num_seqs, max_num_batched_tokens,
+                                  long_prefill_token_threshold, watermark, max_model_len)
+        # the step's limits; chunk_cap: the most tokens of one prompt a step takes
+        self.max_num_seqs, self.max_num_batched_tokens, self.chunk_cap, self.max_model_len = limits
         self.cache = cache
         self.block_size = cache.block_size
-        self.max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
-        self.max_model_len = as_int("max_model_len", max_model_len, minimum=2)
-        self.max_num_batched_tokens = _optional_int("max_num_batched_tokens",
-                                                    max_num_batched_tokens)
-        self.chunk_cap = _optional_int("long_prefill_token_threshold",
-                                       long_prefill_token_threshold)
         self.watermark_blocks = int(float(watermark) * cache.num_blocks)
         self.kv_budget_blocks = cache.num_blocks  # blocks the requests may fill: all of the cache's
         self.waiting: deque[Request] = deque()
@@ -77,23 +73,7 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """``ValueError`` unless ``request`` is new, fits the model and, alone, the cache."""
-        if not isinstance(request, Request):
-            raise ValueError(f"request must be a Request, got {type(request).__name__}")
-        if request.req_id in self.requests:
-            raise ValueError(f"request id {request.req_id} is already queued or running")
-        if request.status is not Status.WAITING or request.output_tokens:
-            raise ValueError(f"request {request.req_id} has run before: pass a new Request")
-        if self.cache.prefix_cache is not None and request.prompt_tokens is None:
-            raise ValueError(f"request {request.req_id} has no prompt_tokens: prefix caching "
-                             f"looks its blocks up by them")
-        total = request.prompt_len + request.output_len
-        if total > self.max_model_len:
-            raise ValueError(f"request {request.req_id}: prompt_len + output_len = {total} > "
-                             f"max_model_len = {self.max_model_len}")
-        need = self.blocks_alone(request)
-        if need > self.kv_budget_blocks:
-            raise ValueError(f"request {request.req_id} needs {need} blocks, more than the "
-                             f"budget of {self.kv_budget_blocks}: it could never run")
+        checks.new_request(self, request)
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -122,12 +102,14 @@ class Scheduler:
             n = self.chunk_size(plan, request.num_uncomputed_tokens)
             if n == 0 or request.status is not Status.RUNNING:
                 break
-            while self.blocks_for(request, n) + pending > self.cache.num_free_blocks:
+            new = self.blocks_for(request, n)
+            # the newest requests lose their blocks until this one's fit (it may be the newest)
+            while new + pending > self.cache.num_free_blocks:
                 plan.preempted.append(self.preempt())
                 if request.status is not Status.RUNNING:
                     return pending
-            pending += self.blocks_for(request, n)
-            if n == 1 and request.num_uncomputed_tokens == 1 and request.output_tokens:
+            pending += new
+            if request.num_uncomputed_tokens == 1 and request.output_tokens:  # then n is 1
                 plan.decode.append(request)
             else:
                 plan.prefill.append((request, n))
@@ -151,12 +133,8 @@ class Scheduler:
         """Free the newest running request's blocks and queue it first again: its K/V will be
         computed again (less what the prefix cache still finds)."""
         request = self.running[-1]
-        self.free(request)
-        self.running.pop()
         request.lost_tokens = request.num_computed_tokens
-        request.num_computed_tokens = 0
-        request.status = Status.PREEMPTED
-        self.waiting.appendleft(request)
+        self.requeue(request, Status.PREEMPTED)
         return request
 
     def schedule_waiting(self, plan: StepPlan, pending: int) -> None:
@@ -174,7 +152,7 @@ class Scheduler:
                 admitted.append((request, status))
         except BaseException:
             for request, status in reversed(admitted):
-                self.unadmit(request, status)
+                self.requeue(request, status)  # as it was
             raise
 
     def admit(self, plan: StepPlan, request: Request, pending: int) -> int | None:
@@ -229,8 +207,9 @@ class Scheduler:
             token_ids = request.token_ids
         return self.cache.add_sequence(request.req_id, token_ids)
 
-    def unadmit(self, request: Request, status: Status) -> None:
-        """Undo ``admit``: free what it attached and queue ``request`` first again, as it was."""
+    def requeue(self, request: Request, status: Status) -> None:
+        """Free ``request``'s blocks and queue it first again with ``status``, nothing computed: a
+        preemption, or the undoing of an admission."""
         self.free(request)
         self.running.remove(request)
         self.waiting.appendleft(request)
@@ -242,8 +221,7 @@ class Scheduler:
         the computed tokens, append the tokens of the requests that sample, and finish those that have
         all their tokens (freeing their blocks). Returns the finished requests."""
         work = plan.work
-        if len(sampled) != len(work):
-            raise ValueError(f"sampled must hold {len(work)} tokens, got {len(sampled)}")
+        checks.sampled(sampled, len(work))
         finished = []
         for (request, n), token in zip(work, sampled):
             if request.status is not Status.RUNNING:
@@ -257,42 +235,22 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request) -> None:
-        self.free(request)
-        self.running.remove(request)
+        """Forget ``request``: a running one gives its blocks back, a waiting one leaves the queue."""
+        if request.status is Status.RUNNING:
+            self.free(request)
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         request.status = Status.FINISHED
         del self.requests[request.req_id]
 
     def abort(self, req_id: int) -> Request:
         """Drop request ``req_id`` whatever its state (waiting, running, preempted), freeing its blocks."""
-        request = self.requests.get(req_id)
-        if request is None:
-            raise ValueError(f"req_id {req_id!r} is not a waiting or running request")
-        if request.status is Status.RUNNING:
-            self.finish(request)
-            return request
-        self.waiting.remove(request)
-        request.status = Status.FINISHED
-        del self.requests[req_id]
+        request = checks.live_request(self, req_id)
+        self.finish(request)
         return request
 
     def free(self, request: Request) -> None:
         """Give ``request``'s memory back."""
         self.cache.free_sequence(request.req_id)
 
-
-def _optional_int(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    return as_int(name, value, minimum=1)
-
-
-def _check_scheduler(cache: object, watermark: object, threshold: object, budget: object) -> None:
-    if not isinstance(cache, PagedKVCache):
-        raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-    if cache.seq_lens:
-        raise ValueError(f"cache must be empty: it holds sequences {list(cache.seq_lens)[:8]}")
-    fraction = isinstance(watermark, numbers.Real) and not isinstance(watermark, bool)
-    if not fraction or not 0 <= watermark < 1:
-        raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
-    refuse((threshold is not None and budget is None,
-            "long_prefill_token_threshold needs max_num_batched_tokens (a token budget)"))

@@ -1,0 +1,71 @@
+"""``Scheduler``'s and its callers' argument checks, run before anything changes. Apart from
+``_checks.py`` (the cache's): these need ``PagedKVCache`` and ``Request``, which import that module."""
+
+from __future__ import annotations
+
+import numbers
+
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.request import Request, Status
+from pagedlib.util import as_int, refuse
+
+
+def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: object, watermark: object,
+              max_model_len: object) -> tuple[int, int | None, int | None, int]:
+    """The constructor's arguments: ``(max_num_seqs, max_num_batched_tokens, chunk cap, max_model_len)``
+    as ints (the optional ones ``None`` or an int >= 1); ``cache`` an empty ``PagedKVCache``."""
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    if cache.seq_lens:
+        raise ValueError(f"cache must be empty: it holds sequences {list(cache.seq_lens)[:8]}")
+    fraction = isinstance(watermark, numbers.Real) and not isinstance(watermark, bool)
+    if not fraction or not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+    refuse((threshold is not None and budget is None,
+            "long_prefill_token_threshold needs max_num_batched_tokens (a token budget)"))
+    max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
+    max_model_len = as_int("max_model_len", max_model_len, minimum=2)
+    budget = _optional_int("max_num_batched_tokens", budget)
+    threshold = _optional_int("long_prefill_token_threshold", threshold)
+    return max_num_seqs, budget, threshold, max_model_len
+
+
+def _optional_int(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    return as_int(name, value, minimum=1)
+
+
+def new_request(scheduler: object, request: object) -> None:
+    """``ValueError`` unless ``request`` is new, fits the model and, alone, the cache."""
+    if not isinstance(request, Request):
+        raise ValueError(f"request must be a Request, got {type(request).__name__}")
+    if request.req_id in scheduler.requests:
+        raise ValueError(f"request id {request.req_id} is already queued or running")
+    if request.status is not Status.WAITING or request.output_tokens:
+        raise ValueError(f"request {request.req_id} has run before: pass a new Request")
+    if scheduler.cache.prefix_cache is not None and request.prompt_tokens is None:
+        raise ValueError(f"request {request.req_id} has no prompt_tokens: prefix caching "
+                         f"looks its blocks up by them")
+    total = request.prompt_len + request.output_len
+    if total > scheduler.max_model_len:
+        raise ValueError(f"request {request.req_id}: prompt_len + output_len = {total} > "
+                         f"max_model_len = {scheduler.max_model_len}")
+    need = scheduler.blocks_alone(request)
+    if need > scheduler.kv_budget_blocks:
+        raise ValueError(f"request {request.req_id} needs {need} blocks, more than the "
+                         f"budget of {scheduler.kv_budget_blocks}: it could never run")
+
+
+def live_request(scheduler: object, req_id: object) -> Request:
+    """The unfinished request ``req_id``."""
+    request = scheduler.requests.get(req_id)
+    if request is None:
+        raise ValueError(f"req_id {req_id!r} is not a waiting or running request")
+    return request
+
+
+def sampled(sampled: object, n: int) -> None:
+    """``update``'s tokens: one per entry of the plan's work."""
+    if len(sampled) != n:
+        raise ValueError(f"sampled must hold {n} tokens, got {len(sampled)}")
