@@ -206,3 +206,16 @@ def check_idle(generating: int | None, in_step: bool) -> None:
         raise RuntimeError("the engine's last step() raised midway (or another thread is "
                            "inside step(): an Engine is single-threaded): call reset() "
                            "before using it again")
+
+
+def check_calibration(x: object, dtype: object, per_kv_head: object) -> None:
+    """``kv_scale``'s arguments: a non-empty floating tensor ``[..., kv_heads, head_dim]``, an fp8 format."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.numel() == 0:
+        got = type(x).__name__
+        if isinstance(x, torch.Tensor):
+            got = f"{x.dtype} {list(x.shape)}"
+        raise ValueError(f"x must be a non-empty floating tensor [..., kv_heads, head_dim], got {got}")
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
+    if not isinstance(per_kv_head, bool):
+        raise ValueError(f"per_kv_head must be a bool, got {per_kv_head!r}")

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
+from pagedlib.calibration import kv_scale
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.fp8 import FP8_DTYPES, dequantize, kv_scale, quantize
+from pagedlib.core.fp8 import FP8_DTYPES, dequantize, quantize
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
 from pagedlib.kernels.varlen import (
     attend_varlen,

@@ -275,16 +275,3 @@ def check_fp8_input(x: object, scale: object, dtype: torch.dtype | None = None) 
     if isinstance(scale, torch.Tensor):
         raise ValueError(f"a per-head scale needs x of shape [..., kv_heads, head_dim], got {list(x.shape)}")
     return scale
-
-
-def check_calibration(x: object, dtype: object, per_kv_head: object) -> None:
-    """``kv_scale``'s arguments: a non-empty floating tensor ``[..., kv_heads, head_dim]``, an fp8 format."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.numel() == 0:
-        got = type(x).__name__
-        if isinstance(x, torch.Tensor):
-            got = f"{x.dtype} {list(x.shape)}"
-        raise ValueError(f"x must be a non-empty floating tensor [..., kv_heads, head_dim], got {got}")
-    if dtype not in FP8_DTYPES:
-        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
-    if not isinstance(per_kv_head, bool):
-        raise ValueError(f"per_kv_head must be a bool, got {per_kv_head!r}")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 # the checks live with the cache's (core/_checks.py); the kernels take a scale through check_scale too
-from pagedlib.core._checks import FP8_DTYPES, check_calibration, check_fp8_input, check_scale, check_scales
+from pagedlib.core._checks import FP8_DTYPES, check_fp8_input, check_scale, check_scales
 
-__all__ = ["FP8_DTYPES", "check_scale", "check_scales", "dequantize", "kv_scale", "per_head",
+__all__ = ["FP8_DTYPES", "check_scale", "check_scales", "dequantize", "per_head",
            "quantize"]
 
 
@@ -37,23 +37,3 @@ def dequantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype 
     scale = check_fp8_input(x, scale)
     return (x.float() * per_head(scale)).to(dtype)
 
-
-def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_head: bool = False
-             ) -> float | torch.Tensor:
-    """The scale that maps ``x``'s largest magnitude onto ``dtype``'s largest finite value, amax / fp8 max
-    (vLLM's ``calculate_kv_scales`` divides by 200 for K, 100 for V: headroom). ``x``: ``[..., kv_heads,
-    head_dim]``, finite; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An all-zero head gets 1.0."""
-    check_calibration(x, dtype, per_kv_head)
-    # [kv_heads, all the rest]
-    heads = x.detach().abs().float().movedim(-2, 0).flatten(1)
-    amax = heads.amax(1)                                                       # [kv_heads]
-    if not per_kv_head:
-        amax = amax.max()[None]                                                # [1]
-    if not bool(amax.isfinite().all()):  # amax carries any NaN or inf of x through
-        raise ValueError("x must hold finite values to set a scale from, got NaN or inf in it")
-    # a positive amax so small that amax / top rounds to 0 still needs a scale > 0
-    scale = (amax / torch.finfo(dtype).max).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.where(amax > 0, scale, 1.0)
-    if per_kv_head:
-        return scale
-    return float(scale[0])

@@ -1,0 +1,31 @@
+"""Choosing an fp8 cache's scales from data (notebook 10): the largest magnitude of sample K or V mapped
+onto the format's largest finite value. It is offline work before serving, like vLLM's scale calibration:
+nothing on a request's path through the engine calls it (the engine's fp8 cache runs with scale 1.0, vLLM's
+default)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedlib.checks import check_calibration
+
+
+def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_head: bool = False
+             ) -> float | torch.Tensor:
+    """The scale that maps ``x``'s largest magnitude onto ``dtype``'s largest finite value, amax / fp8 max
+    (vLLM's ``calculate_kv_scales`` divides by 200 for K, 100 for V: headroom). ``x``: ``[..., kv_heads,
+    head_dim]``, finite; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An all-zero head gets 1.0."""
+    check_calibration(x, dtype, per_kv_head)
+    # [kv_heads, all the rest]
+    heads = x.detach().abs().float().movedim(-2, 0).flatten(1)
+    amax = heads.amax(1)                                                       # [kv_heads]
+    if not per_kv_head:
+        amax = amax.max()[None]                                                # [1]
+    if not bool(amax.isfinite().all()):  # amax carries any NaN or inf of x through
+        raise ValueError("x must hold finite values to set a scale from, got NaN or inf in it")
+    # a positive amax so small that amax / top rounds to 0 still needs a scale > 0
+    scale = (amax / torch.finfo(dtype).max).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = torch.where(amax > 0, scale, 1.0)
+    if per_kv_head:
+        return scale
+    return float(scale[0])
