@@ -1,11 +1,12 @@
 """Tools to test code that uses the paged KV cache, as ``torch.testing`` is for tensors: the invariants of a
 ``BlockManager`` and of both prefix caches, who holds each block, what changed between two states of a
-``PagedKVCache``, NaN written into every slot that holds no token, and the text ``repr(cache)`` shows.
+``PagedKVCache``, NaN written into every slot that holds no token, the text ``repr(cache)`` shows, and the
+figures notebooks read off a cache (how full its blocks are, what its prefix cache found).
 
 It lives apart from the engine because a request never runs through it: the engine calls none of it, tests,
 notebook checks and widgets do. The objects keep one-line methods that call it (``cache.check_invariants()``,
-``cache.state_diff(before)``, ``cache.fill_unused()``). It imports nothing from ``pagedlib`` but ``util``
-and works on the objects it is given, so ``core`` may call it."""
+``cache.state_diff(before)``, ``cache.fill_unused()``, ``cache.utilization``). It imports nothing from
+``pagedlib`` but ``util`` and works on the objects it is given, so ``core`` may call it."""
 
 from __future__ import annotations
 
@@ -264,3 +265,42 @@ def describe(cache: Any) -> str:
     if len(cache.tables) > 8:
         lines.append(f"  ... and {len(cache.tables) - 8} more sequences")
     return "\n".join(lines)
+
+
+def num_tokens(cache: Any) -> int:
+    """Tokens held by every sequence of a ``PagedKVCache``."""
+    return sum(cache.seq_lens.values())
+
+
+def num_allocated_slots(cache: Any) -> int:
+    """Slots of every block a table names (a shared block once per table)."""
+    return sum(len(table) for table in cache.tables.values()) * cache.block_size
+
+
+def utilization(cache: Any) -> float:
+    """Tokens per allocated slot (1.0 with nothing allocated); 1 - utilization: internal fragmentation."""
+    allocated = num_allocated_slots(cache)
+    if allocated == 0:
+        return 1.0
+    return num_tokens(cache) / allocated
+
+
+def prefix_cache_stats(prefix_cache: Any) -> dict[str, float]:
+    """A prefix cache's counters: prompt tokens looked up, tokens found, the hit rate, blocks evicted, blocks
+    findable now; a radix tree adds its node count. ``None`` (prefix caching off): every count 0."""
+    if prefix_cache is None:
+        return {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evicted_blocks": 0,
+                "cached_blocks": 0}
+    rate = 0.0
+    if prefix_cache.queried_tokens:
+        rate = prefix_cache.hit_tokens / prefix_cache.queried_tokens
+    stats = {"queried_tokens": prefix_cache.queried_tokens,
+             "hit_tokens": prefix_cache.hit_tokens,
+             "hit_rate": rate,
+             "evicted_blocks": prefix_cache.evicted_blocks}
+    if hasattr(prefix_cache, "node_of"):  # a radix tree: its blocks, and its nodes
+        stats["cached_blocks"] = len(prefix_cache.node_of)
+        stats["nodes"] = len(set(prefix_cache.node_of.values()))
+    else:
+        stats["cached_blocks"] = len(prefix_cache.blocks)
+    return stats

@@ -18,7 +18,6 @@ from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa
 from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError  # noqa: F401
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
-from pagedlib.core.prefix_cache import PrefixCache
 
 
 class Slot(NamedTuple):
@@ -83,20 +82,10 @@ class PagedKVCache:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.seq_lens.values())
-
-    @property
-    def num_allocated_slots(self) -> int:
-        return sum(len(table) for table in self.tables.values()) * self.block_size
-
-    @property
-    def utilization(self) -> float:
-        """Tokens per allocated slot (1.0 with nothing allocated); 1 - utilization: internal fragmentation."""
-        if self.num_allocated_slots == 0:
-            return 1.0
-        return self.num_tokens / self.num_allocated_slots
+    # figures read off the cache (notebooks 02, 07): functions of ``pagedlib.testing`` as properties
+    num_tokens = property(testing.num_tokens)  # tokens of every sequence
+    num_allocated_slots = property(testing.num_allocated_slots)  # slots of every block a table names
+    utilization = property(testing.utilization)  # tokens per allocated slot (1.0 with none)
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found. If
@@ -219,10 +208,9 @@ class PagedKVCache:
         return self.prefix_cache.is_cached(block_id)
 
     def prefix_cache_stats(self) -> dict[str, float]:
-        """``PrefixCache.stats()``; all 0 when prefix caching is off."""
-        if self.prefix_cache is None:
-            return PrefixCache(self.block_size).stats()
-        return self.prefix_cache.stats()
+        """The prefix cache's lookup counters and hit rate (``testing.prefix_cache_stats``); all 0 when
+        prefix caching is off."""
+        return testing.prefix_cache_stats(self.prefix_cache)
 
     def sequence_utilization(self, seq_id: Hashable) -> float:
         """Utilization of one sequence's blocks (1.0 for an empty sequence)."""

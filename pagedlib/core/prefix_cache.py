@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedlib.core import _checks as checks
 from pagedlib.util import as_int
@@ -122,19 +121,3 @@ class PrefixCache:
         del self.blocks[self.keys.pop(block)]
         self.evicted_blocks += 1
         return block
-
-    def stats(self) -> dict[str, float]:
-        """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now."""
-        return lookup_stats(self, cached_blocks=len(self.blocks))
-
-
-def lookup_stats(cache: Any, cached_blocks: int) -> dict[str, float]:
-    """The counters both prefix caches (this one and ``RadixCache``) keep, and the hit rate."""
-    rate = 0.0
-    if cache.queried_tokens:
-        rate = cache.hit_tokens / cache.queried_tokens
-    return {"queried_tokens": cache.queried_tokens,
-            "hit_tokens": cache.hit_tokens,
-            "hit_rate": rate,
-            "evicted_blocks": cache.evicted_blocks,
-            "cached_blocks": cached_blocks}

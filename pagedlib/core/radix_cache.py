@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from pagedlib import testing
 from pagedlib.core import _checks as checks
-from pagedlib.core.prefix_cache import lookup_stats
 from pagedlib.util import as_int
 
 
@@ -234,12 +233,6 @@ class RadixCache:
         stale is skipped by ``evict``)."""
         if node is not self.root and not node.children and node.blocks[-1] in self.free_queue:
             heapq.heappush(self.leaves, (node.last_used, id(node), node))
-
-    def stats(self) -> dict[str, float]:
-        """Prompt tokens looked up, tokens found, hit rate, blocks evicted, blocks findable now, nodes."""
-        stats = lookup_stats(self, cached_blocks=len(self.node_of))
-        stats["nodes"] = len(set(self.node_of.values()))
-        return stats
 
     def __eq__(self, other: object) -> bool:  # what PagedKVCache.state_diff compares
         if not isinstance(other, RadixCache):
