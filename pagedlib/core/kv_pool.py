@@ -69,10 +69,6 @@ class KVPool:
         v = self.v.view(self.flat).index_select(0, rows).view(shape)
         return k, v
 
-    def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
-        """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, no copy."""
-        return self.k[:, l], self.v[:, l]
-
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """An fp8 tensor as ``uint8`` (the same bytes): torch's CPU indexing kernels have no fp8 versions."""

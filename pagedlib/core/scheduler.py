@@ -169,9 +169,9 @@ class Scheduler:
         request.num_computed_tokens = self.attach(request)
         self.running.append(self.waiting.popleft())
         request.status = Status.RUNNING
-        held = self.cache.seq_lens[request.req_id]  # found by the prefix cache
-        plan.cached_tokens += held
-        plan.recomputed_tokens += max(0, request.lost_tokens - held)
+        # num_computed_tokens: what the prefix cache found
+        plan.cached_tokens += request.num_computed_tokens
+        plan.recomputed_tokens += max(0, request.lost_tokens - request.num_computed_tokens)
         plan.prefill.append((request, self.chunk_size(plan, request.num_uncomputed_tokens)))
         return new
 
