@@ -5,7 +5,7 @@ Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what
 (``PagedLlama.step``) runs the new tokens of many sequences flattened together, decodes and prompt chunks
 alike (vLLM V1's step): it first **reserves** a slot for every new token (``cache.reserve``: blocks taken,
 nothing written), then per layer **writes** K/V there and **attends** through the table with one varlen
-kernel.
+kernel, reading where everything is from the step's ``Step`` (``kernels/varlen.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedlib import checks, loader
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.kernels.varlen import Piece, attend_varlen, plan_varlen
+from pagedlib.kernels.varlen import Step, plan_varlen
 
 
 @dataclass(frozen=True)
@@ -42,34 +42,6 @@ class LlamaShape:
     def from_hf(cls, config: Any) -> LlamaShape:
         """Read a transformers config; ``ValueError`` naming a field this model does not implement."""
         return cls(**loader.shape_fields(config))
-
-
-@dataclass
-class Step:
-    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and how they attend."""
-
-    tokens: torch.Tensor              # int64 [T]
-    positions: torch.Tensor           # int64 [T]
-    blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
-    offsets: torch.Tensor             # int64 [T]
-    query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
-    block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
-    seq_lens: torch.Tensor            # int32 [B], after the step
-    plan: list[Piece] | None          # attend_varlen's plan, for all layers; None: Triton
-
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> torch.Tensor:
-        """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
-        scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
-        plan: the step's inputs are built here, once."""
-        if self.plan is None:
-            # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
-            from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
-
-            return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables,
-                                                 self.seq_lens, self.query_start_loc,
-                                                 k_scale=k_scale, v_scale=v_scale)
-        return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
 
 
 class RMSNorm(nn.Module):

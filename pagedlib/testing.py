@@ -285,6 +285,14 @@ def utilization(cache: Any) -> float:
     return num_tokens(cache) / allocated
 
 
+def sequence_utilization(cache: Any, seq_id: Hashable) -> float:
+    """Tokens per slot of one sequence's blocks (1.0 for an empty sequence)."""
+    allocated = len(cache.tables[seq_id]) * cache.block_size
+    if allocated == 0:
+        return 1.0
+    return cache.seq_lens[seq_id] / allocated
+
+
 def prefix_cache_stats(prefix_cache: Any) -> dict[str, float]:
     """A prefix cache's counters: prompt tokens looked up, tokens found, the hit rate, blocks evicted, blocks
     findable now; a radix tree adds its node count. ``None`` (prefix caching off): every count 0."""

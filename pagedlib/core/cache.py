@@ -194,7 +194,8 @@ class PagedKVCache:
 
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
         """Views ``k[:, l]``, ``v[:, l]``: ``[num_blocks, block_size, kv_heads, head_dim]``, no copy."""
-        return self.pool.layer(checks.index("l", l, -self.num_layers, self.num_layers))
+        l = checks.index("l", l, -self.num_layers, self.num_layers)  # noqa: E741
+        return self.k[:, l], self.v[:, l]
 
     def ref_count(self, block_id: int) -> int:
         """How many tables hold block ``block_id`` (0: it is free)."""
@@ -213,12 +214,9 @@ class PagedKVCache:
         return testing.prefix_cache_stats(self.prefix_cache)
 
     def sequence_utilization(self, seq_id: Hashable) -> float:
-        """Utilization of one sequence's blocks (1.0 for an empty sequence)."""
+        """Utilization of one sequence's blocks (1.0 for an empty sequence): ``testing``'s."""
         checks.seq(self, seq_id)
-        allocated = len(self.tables[seq_id]) * self.block_size
-        if allocated == 0:
-            return 1.0
-        return self.seq_lens[seq_id] / allocated
+        return testing.sequence_utilization(self, seq_id)
 
     def check_invariants(self) -> None:
         """``testing.check_invariants`` of the block manager: ``InvariantError`` naming the first broken

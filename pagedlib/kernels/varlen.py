@@ -5,6 +5,7 @@ oracle ``paged_attention_varlen_oracle`` and ``paged_attention_varlen_triton`` t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -184,3 +185,33 @@ def paged_attention_varlen_oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         scores = scores.masked_fill((key_pos > q_pos[:, None])[:, None, None, :], float("-inf"))
         out[rows] = torch.einsum("mhgn,nhd->mhgd", scores.softmax(-1), v).reshape(m, q_heads, head_dim)
     return out
+
+
+@dataclass
+class Step:
+    """The ``T`` new tokens of one forward pass over ``B`` sequences, where they go, and how they attend:
+    the attention metadata ``PagedLlama`` builds once per step and passes down every layer (no global
+    context). It lives beside the attention it feeds, as vLLM's attention backends define their metadata."""
+
+    tokens: torch.Tensor              # int64 [T]
+    positions: torch.Tensor           # int64 [T]
+    blocks: torch.Tensor              # int64 [T]: each token's slot is (block, offset)
+    offsets: torch.Tensor             # int64 [T]
+    query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
+    block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
+    seq_lens: torch.Tensor            # int32 [B], after the step
+    plan: list[Piece] | None          # attend_varlen's plan, for all layers; None: Triton
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> torch.Tensor:
+        """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
+        scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
+        plan: the step's inputs are built here, once."""
+        if self.plan is None:
+            # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
+            from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
+
+            return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables,
+                                                 self.seq_lens, self.query_start_loc,
+                                                 k_scale=k_scale, v_scale=v_scale)
+        return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
