@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedlib import testing
 from pagedlib.core import _checks as checks
 from pagedlib.util import as_int
 
@@ -121,3 +122,5 @@ class PrefixCache:
         del self.blocks[self.keys.pop(block)]
         self.evicted_blocks += 1
         return block
+
+    stats = testing.prefix_cache_stats  # the lookup counters, hit rate and findable blocks

@@ -240,3 +240,4 @@ class RadixCache:
         return testing.radix_state(self) == testing.radix_state(other)
 
     check = testing.check_radix_cache  # the first broken invariant of the tree, or None (for tests)
+    stats = testing.prefix_cache_stats  # the lookup counters, hit rate, blocks and nodes

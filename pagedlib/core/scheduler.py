@@ -169,9 +169,10 @@ class Scheduler:
         request.num_computed_tokens = self.attach(request)
         self.running.append(self.waiting.popleft())
         request.status = Status.RUNNING
-        # num_computed_tokens: what the prefix cache found
-        plan.cached_tokens += request.num_computed_tokens
-        plan.recomputed_tokens += max(0, request.lost_tokens - request.num_computed_tokens)
+        # found by the prefix cache (not num_computed_tokens: a window's attach counts skipped tokens too)
+        held = self.cache.seq_lens[request.req_id]
+        plan.cached_tokens += held
+        plan.recomputed_tokens += max(0, request.lost_tokens - held)
         plan.prefill.append((request, self.chunk_size(plan, request.num_uncomputed_tokens)))
         return new
 
