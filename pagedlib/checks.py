@@ -173,26 +173,28 @@ def check_token_budget(budget: object, threshold: object) -> tuple[int | None, i
 
 
 def check_prompt(engine: Any, name: str, prompt: Any, max_new_tokens: object) -> tuple[list[int], int]:
-    """``prompt`` as token ids and ``max_new_tokens`` as an int, refused if the prompt is empty or if
-    ``engine``'s pool, less the admission watermark, could never hold it with its new tokens."""
+    """``prompt`` as token ids (refused if empty) and ``max_new_tokens`` as an int."""
     tokens = token_list(name, prompt, engine.model.shape.vocab_size)
     if not tokens:
         raise ValueError(f"{name} is empty: a prompt needs at least one token")
-    max_new_tokens = as_int("max_new_tokens", max_new_tokens, minimum=1)
+    return tokens, as_int("max_new_tokens", max_new_tokens, minimum=1)
+
+
+def check_fits(engine: Any, name: str, request: Any) -> None:
+    """Refuse ``request`` if ``engine``'s pool, less the admission watermark, could never hold its K/V at
+    their peak (``Request.max_kv_len``: the prompt and every new token but the last)."""
     num_blocks = engine.cache.num_blocks
     block_size = engine.cache.block_size
     mark = engine.watermark_blocks
     room = (num_blocks - mark) * block_size
-    needed = len(tokens) + max_new_tokens - 1  # the prompt and every new token but the last
-    if needed > room:
+    if request.max_kv_len > room:
         held = ""
         if mark:
             held = f" less the watermark of {mark} (1% kept free)"
-        raise ValueError(f"{name} ({len(tokens)} tokens) with max_new_tokens={max_new_tokens} "
-                         f"needs {needed} token slots (the prompt and every new "
+        raise ValueError(f"{name} ({request.prompt_len} tokens) with max_new_tokens={request.output_len} "
+                         f"needs {request.max_kv_len} token slots (the prompt and every new "
                          f"token but the last), more than the pool of {num_blocks} "
                          f"blocks{held} x {block_size} = {room} can ever hold")
-    return tokens, max_new_tokens
 
 
 def check_idle(generating: int | None, in_step: bool) -> None:

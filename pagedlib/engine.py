@@ -187,4 +187,6 @@ class Engine:
                  offset: int = 0) -> Request:
         """Check one prompt (nothing is queued): the ``Request`` the scheduler will see."""
         tokens, max_new_tokens = checks.check_prompt(self, name, prompt, max_new_tokens)
-        return Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))
+        request = Request(self._next_id + offset, 0, len(tokens), max_new_tokens, tuple(tokens))
+        checks.check_fits(self, name, request)
+        return request
