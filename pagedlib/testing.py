@@ -98,13 +98,18 @@ def _check_prefix_cache(manager: Any) -> None:
             raise InvariantError(f"6: sequence {seq_id!r} has {known} token ids "
                                  f"for {manager.seq_lens[seq_id]} tokens")
     prefix_cache = manager.prefix_cache
-    # a radix tree maps blocks to its nodes (asked so, this module imports no class of core)
-    if hasattr(prefix_cache, "node_of"):
+    if _is_radix(prefix_cache):
         problem = check_radix_cache(prefix_cache, manager.tables, manager.token_ids)
     else:
         problem = check_hash_cache(prefix_cache, manager.tables, manager.token_ids)
     if problem is not None:
         raise InvariantError(f"6: {problem}")
+
+
+def _is_radix(prefix_cache: Any) -> bool:
+    """A ``RadixCache``, not a ``PrefixCache``: a tree maps blocks to its nodes (asked so, because this
+    module imports no class of core)."""
+    return hasattr(prefix_cache, "node_of")
 
 
 def check_hash_cache(prefix_cache: Any, tables: dict, token_ids: dict) -> str | None:
@@ -306,7 +311,7 @@ def prefix_cache_stats(prefix_cache: Any) -> dict[str, float]:
              "hit_tokens": prefix_cache.hit_tokens,
              "hit_rate": rate,
              "evicted_blocks": prefix_cache.evicted_blocks}
-    if hasattr(prefix_cache, "node_of"):  # a radix tree: its blocks, and its nodes
+    if _is_radix(prefix_cache):  # its blocks, and its nodes
         stats["cached_blocks"] = len(prefix_cache.node_of)
         stats["nodes"] = len(set(prefix_cache.node_of.values()))
     else:
