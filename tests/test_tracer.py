@@ -226,16 +226,16 @@ def test_buttons_drive_the_whole_lifecycle():
     assert tracer.selected == 0
     freed = list(cache.tables[0])
     tracer.free_button.click()
-    assert 0 not in cache.tables and cache.free[-len(freed):] == freed[::-1]
+    assert 0 not in cache.tables and cache.free[-len(freed):] == freed
     tree = view(tracer)
     assert all(holders(tree)[b] == "" for b in freed)
-    assert free_stack_shown(tree)[: len(freed)] == freed, "freed blocks are on top, first block first"
+    assert free_stack_shown(tree)[: len(freed)] == freed[::-1], "freed: on top, last first"
     assert list(tracer.seq_picker.options) == [("seq 1", 1)]
     assert_view_matches_cache(tracer)
 
     tracer.append(1, 1)  # the freed blocks are the next ones handed out
     tracer.append(1, 3)
-    assert cache.tables[1][1] == freed[0]
+    assert cache.tables[1][1] == freed[-1]
 
     tracer.reset_button.click()
     assert tracer.cache.tables == {} and tracer.cache.num_free_blocks == 12 and tracer.selected is None
@@ -398,7 +398,7 @@ def test_play_runs_the_scenario_and_reuses_freed_blocks():
         assert f"Scenario step {step}/{len(SCENARIO)}" in view(tracer).one("data-role", "log").all_text()
     cache = tracer.cache
     assert freed and set(cache.tables) == {0, 2}, "seq 1 was freed, seq 2 arrived"
-    assert cache.tables[2][: len(freed)] == freed, "seq 2 reuses seq 1's blocks, in the same order"
+    assert cache.tables[2][: len(freed)] == freed[::-1], "seq 2 reuses seq 1's blocks, the last one first"
     final = snapshot(cache)
 
     jumped = BlockTableTracer()
@@ -823,13 +823,13 @@ def test_the_view_reads_as_plain_text_in_a_static_page():
     assert len(lines) <= 25, lines
     stack = lines[lines.index(f"Free stack: {len(tracer.cache.free)} blocks") + 1]
     assert stack == "top (popped next) → " + " ".join(map(str, tracer.cache.free[::-1]))
-    assert "seq 2 len 9 [2, 3, 5]" in lines and "seq 0 len 10 [0, 1, 4]" in lines
+    assert "seq 2 len 9 [3, 2, 5]" in lines and "seq 0 len 10 [0, 1, 4]" in lines
     assert "free, empty blocks: 6 7 8 9 10 11" in lines, "a run of empty free blocks is one line"
     assert any(line.startswith("block 5 · seq 2: s2:t8 · · ·") for line in lines)
     reads = next(line for line in lines if line.startswith("A decode step for seq 2"))
-    assert reads.endswith("2.0 2.1 2.2 2.3 → 3.0 3.1 3.2 3.3 → 5.0")
+    assert reads.endswith("3.0 3.1 3.2 3.3 → 2.0 2.1 2.2 2.3 → 5.0")
     tracer.fork(2)
-    assert "block 2 · seq 2, 3 · 2 refs: t0 t1 t2 t3" in text_lines(tracer.html())
+    assert "block 3 · seq 2, 3 · 2 refs: t0 t1 t2 t3" in text_lines(tracer.html())
     assert "×" not in tracer.html()
 
 

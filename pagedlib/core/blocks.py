@@ -88,16 +88,20 @@ class BlockManager:
             self.ref_counts[block] += 1
 
     def release(self, blocks: Sequence[int]) -> list[int]:
-        """One table fewer holds each of ``blocks``. Returns those nobody holds any more, now free: on the
-        stack (``blocks[0]`` on top) or, if cached, at the back of the prefix cache's queue."""
+        """One table fewer holds each of ``blocks``. Returns those nobody holds any more, now free: a cached
+        one at the back of the prefix cache's queue (the last of ``blocks`` first: a sequence's tail is
+        evicted before its head), the others on the stack (the last of ``blocks`` on top: reused first), the
+        order vLLM 0.32.0's ``BlockPool.free_blocks`` gives its free queue."""
         freed = []
+        plain = []
         for block in reversed(blocks):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] > 0:
                 continue
             freed.append(block)
             if self.prefix_cache is None or not self.prefix_cache.release(block):
-                self.free.append(block)
+                plain.append(block)
+        self.free.extend(reversed(plain))
         return freed[::-1]
 
     def copy_on_write(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> list[bool]:
@@ -272,7 +276,9 @@ class BlockManager:
         if self.prefix_cache is not None:
             for block in undo.taken:  # registered just now, or evicted (gone already)
                 self.prefix_cache.forget(block)
-        self.release(undo.taken)  # back on the stack, taken[0] on top
+        for block in undo.taken:  # each held once, by this call
+            self.ref_counts[block] = 0
+        self.free.extend(reversed(undo.taken))  # as they were: taken[0] on top
         for block, count in undo.copied.items():  # the copied blocks get their holders back
             self.share([block] * (count - self.ref_counts[block]))
         self.cow_copies = undo.cow_copies
