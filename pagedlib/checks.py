@@ -143,24 +143,6 @@ def check_generate(engine: Any, prompts: object, max_new_tokens: object) -> int:
     return max_new_tokens
 
 
-def check_engine(model: Any, model_class: type, num_blocks: int, block_size: int, attention: str,
-                 enable_prefix_caching: bool, max_num_seqs: int, budget: object, threshold: object
-                 ) -> tuple[int, int, int, tuple[int | None, int | None]]:
-    """``Engine``'s arguments; ``num_blocks``, ``block_size``, ``max_num_seqs`` and the token budget
-    (``check_token_budget``) as ints."""
-    if not isinstance(model, model_class):
-        raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
-                         f"got {type(model).__name__}")
-    check_model_dtype(model.dtype)
-    num_blocks = as_int("num_blocks", num_blocks, minimum=1)
-    block_size = as_int("block_size", block_size, minimum=1)
-    check_attention(attention, block_size, model.shape.head_dim)
-    if not isinstance(enable_prefix_caching, bool):
-        raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-    max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
-    return num_blocks, block_size, max_num_seqs, check_token_budget(budget, threshold)
-
-
 def check_token_budget(budget: object, threshold: object) -> tuple[int | None, int | None]:
     """``(max_num_batched_tokens, long_prefill_token_threshold)`` as ints (``None``: whole prompts)."""
     if budget is None and threshold is not None:
@@ -181,33 +163,29 @@ def check_prompt(engine: Any, name: str, prompt: Any, max_new_tokens: object) ->
 
 
 def check_fits(engine: Any, name: str, request: Any) -> None:
-    """Refuse ``request`` if ``engine``'s pool, less the admission watermark, could never hold its K/V at
-    their peak (``Request.max_kv_len``: the prompt and every new token but the last)."""
+    """Refuse ``request`` if ``engine``'s pool could never hold its K/V at their peak (``Request.max_kv_len``:
+    the prompt and every new token but the last), running alone (the watermark holds only while another
+    request runs)."""
     num_blocks = engine.cache.num_blocks
     block_size = engine.cache.block_size
-    mark = engine.watermark_blocks
-    room = (num_blocks - mark) * block_size
+    room = num_blocks * block_size
     if request.max_kv_len > room:
-        held = ""
-        if mark:
-            held = f" less the watermark of {mark} (1% kept free)"
         raise ValueError(f"{name} ({request.prompt_len} tokens) with max_new_tokens={request.output_len} "
                          f"needs {request.max_kv_len} token slots (the prompt and every new "
                          f"token but the last), more than the pool of {num_blocks} "
-                         f"blocks{held} x {block_size} = {room} can ever hold")
+                         f"blocks x {block_size} = {room} can ever hold")
 
 
 def check_idle(generating: int | None, in_step: bool) -> None:
-    """Refuse a call from a second thread (``generating``: the thread inside ``Engine.generate``), or after a
-    step that raised (``in_step``): a cheap check, not a lock."""
+    """Refuse a call from a second thread (``generating``: the thread inside ``Engine.generate``), or from
+    inside a step (``in_step``): a cheap check, not a lock."""
     if generating not in (None, threading.get_ident()):
         raise RuntimeError("another thread is inside this engine's generate(): an Engine "
                            "is single-threaded (give each thread its own engine, or "
                            "serialise the calls)")
     if in_step:
-        raise RuntimeError("the engine's last step() raised midway (or another thread is "
-                           "inside step(): an Engine is single-threaded): call reset() "
-                           "before using it again")
+        raise RuntimeError("the engine is inside step() (a call from within the step, or from another "
+                           "thread): an Engine is single-threaded; call it again once step() returns")
 
 
 def check_calibration(x: object, dtype: object, per_kv_head: object) -> None:

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import torch
-
 from pagedlib import checks
+from pagedlib.config import EngineConfig
+from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.model import PagedLlama
@@ -21,54 +21,45 @@ from pagedlib.stats import EngineStats
 
 # generate() shows a progress bar from this many new tokens on (progress=None)
 PROGRESS_MIN_TOKENS = 4096
-# share of the blocks admission keeps free for running requests to grow into (vLLM's)
-WATERMARK = 0.01
 
 
 class StepOutput(NamedTuple):
-    """Request ids, by what one ``Engine.step`` did with them (a request may be prefilled and finished)."""
+    """What one ``Engine.step`` did, by request id (a request may be prefilled and finished)."""
 
     prefilled: list[int]    # ran a prompt or a chunk of one (readmitted: prompt and generated tokens)
     decoded: list[int]      # ran their last sampled token
     preempted: list[int]    # lost their blocks; back at the front of the queue
     finished: list[int]     # all their tokens generated; blocks returned
+    scheduled: dict[int, int]  # request id -> tokens the forward pass computed for it, in its order
+    hits: dict[int, int]    # admitted request id -> prompt tokens found in the prefix cache
 
 
 class Engine:
-    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``. Single-threaded;
-    a ``step()`` that raised midway is not rolled back: later calls raise ``RuntimeError`` until ``reset()``.
+    """Continuous batching with greedy decoding on a ``PagedLlama`` and a ``PagedKVCache``. Single-threaded.
 
     Args:
         model: the decoder (its dtype and device are the cache's).
-        num_blocks, block_size: the KV pool, ``engine.cache``.
-        attention: ``"torch"`` or ``"triton"`` (``block_size`` a power of two up to 128, ``head_dim`` <= 256).
-        enable_prefix_caching: attach a prompt's cached full blocks instead of prefilling them (notebook 06).
-        prefix_cache: ``"hash"`` (vLLM's block hashes) or ``"radix"`` (SGLang's tree, notebook 11).
-        max_num_seqs: most requests in the running batch.
-        max_num_batched_tokens: ``None``: whole prompts; a number: the token budget of a step, with chunked
-            prefill, chunks at most ``long_prefill_token_threshold`` long.
+        num_blocks, ...: the settings of ``EngineConfig`` (checked there), kept as ``engine.config``.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16,
-                 attention: str = "torch", enable_prefix_caching: bool = False, *,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 long_prefill_token_threshold: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None, prefix_cache: str = "hash") -> None:
-        num_blocks, block_size, self.max_num_seqs, self.token_budget = checks.check_engine(
-            model, PagedLlama, num_blocks, block_size, attention, enable_prefix_caching,
-            max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold)
+                 attention: str = "torch", enable_prefix_caching: bool = False, **settings: Any) -> None:
+        if not isinstance(model, PagedLlama):
+            raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
+                             f"got {type(model).__name__}")
+        checks.check_model_dtype(model.dtype)
+        self.config = config = EngineConfig(num_blocks, block_size, attention, enable_prefix_caching,
+                                            **settings)
+        checks.check_attention(attention, config.block_size, model.shape.head_dim)
         self.model = model
         self.attention = attention
-        self.cache = model.new_cache(num_blocks, block_size,
-                                     enable_prefix_caching=enable_prefix_caching,
-                                     kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache)
+        self.cache = self._new_cache()
         self.scheduler = self._new_scheduler()
-        self.watermark_blocks = self.scheduler.watermark_blocks  # admission keeps them free
         self.requests: dict[int, Request] = {}  # add_request's requests, by id, for output()
         self.stats = EngineStats()
         self._next_id = 0
         self._generating: int | None = None  # the thread inside generate()
-        self._in_step = False  # True inside step(), and after one that raised
+        self._in_step = False  # True inside step()
 
     @classmethod
     def from_hf(cls, hf_model: Any, *args: Any, **kwargs: Any) -> Engine:
@@ -76,12 +67,23 @@ class Engine:
         ``kwargs``: those of ``Engine`` after ``model``, ``num_blocks`` first)."""
         return cls(PagedLlama.from_hf(hf_model), *args, **kwargs)
 
+    @property
+    def watermark_blocks(self) -> int:
+        return self.config.watermark_blocks
+
+    def _new_cache(self) -> PagedKVCache:
+        config = self.config
+        return self.model.new_cache(config.num_blocks, config.block_size,
+                                    enable_prefix_caching=config.enable_prefix_caching,
+                                    kv_cache_dtype=config.kv_cache_dtype, prefix_cache=config.prefix_cache)
+
     def _new_scheduler(self) -> Scheduler:
-        budget, cap = self.token_budget
-        capacity = self.cache.num_blocks * self.cache.block_size
-        return Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
-                         max_num_batched_tokens=budget, long_prefill_token_threshold=cap,
-                         watermark=WATERMARK, max_model_len=capacity + 1)
+        config = self.config
+        return Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
+                         long_prefill_token_threshold=config.long_prefill_token_threshold,
+                         watermark=config.watermark, max_model_len=config.max_model_len,
+                         full_prompt_must_fit=config.full_prompt_must_fit)
 
     def _check_idle(self) -> None:
         """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
@@ -108,36 +110,47 @@ class Engine:
     def step(self) -> StepOutput:
         """One scheduler step, one forward pass over every scheduled request's new tokens (a decode's last
         sampled token, a prompt or its next chunk, a readmitted request's prompt and generated tokens); each
-        request whose tokens all ran samples one; finished requests' blocks are freed."""
+        request whose tokens all ran samples one; finished requests' blocks are freed.
+
+        The step is a transaction: if the forward pass raises (an exception, ``KeyboardInterrupt``), every
+        block the step allocated or made findable is given back and every admission undone, then the error
+        propagates. The engine is usable as it was before the step (preemptions the step made stay: their
+        requests wait at the front of the queue); call ``step()`` again to retry, ``abort`` a request, or
+        ``reset()``."""
         self._check_idle()
-        self._in_step = True  # until the results are in
-        plan = self.scheduler.schedule()
-        work = plan.work  # (request, new tokens), in the order of the forward pass
-        sampled = []
-        if work:
-            ids = [request.req_id for request, _ in work]
-            chunks = [request.next_token_ids(n) for request, n in work]
-            # [batch, vocab]
-            logits = self.model.step(self.cache, ids, chunks, attention=self.attention)
-            sampled = logits.argmax(-1).tolist()
-        self.stats.count(plan, self.cache.num_used_blocks)
-        finished = [request.req_id for request in self.scheduler.update(plan, sampled)]
+        self._in_step = True
+        try:
+            plan = self.scheduler.schedule()
+            sampled = []
+            if plan.work:
+                try:
+                    logits = self.model.forward(self.cache, plan.batch, self.attention)  # [batch, vocab]
+                    sampled = logits.argmax(-1).tolist()
+                except BaseException:
+                    self.scheduler.undo(plan)
+                    raise
+            self.stats.count(plan, self.cache.num_used_blocks)
+            finished = [request.req_id for request in self.scheduler.update(plan, sampled)]
+        finally:
+            self._in_step = False
         self.stats.finished += finished
-        self._in_step = False
-        prefilled = [request.req_id for request, _ in plan.prefill]
-        decoded = [request.req_id for request in plan.decode]
-        preempted = [request.req_id for request in plan.preempted]
-        return StepOutput(prefilled, decoded, preempted, finished)
+        return StepOutput([request.req_id for request, _ in plan.prefill],
+                          [request.req_id for request in plan.decode],
+                          [request.req_id for request in plan.preempted], finished,
+                          {request.req_id: n for request, n in plan.work}, dict(plan.hits))
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""
+        if req_id not in self.requests:
+            raise KeyError(f"req_id {req_id!r} is not a request of this engine (add_request returns the id; "
+                           f"reset() forgets every request)")
         return list(self.requests[req_id].output_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  progress: bool | None = None) -> list[list[int]]:
         """Greedy continuation of every prompt: ``max_new_tokens`` new tokens each (no end-of-sequence
         stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
-        Every prompt is checked first: ``ValueError`` for one the pool (less the 1% watermark) cannot hold."""
+        Every prompt is checked first: ``ValueError`` for one the pool (less the watermark) cannot hold."""
         self._check_idle()
         max_new_tokens = checks.check_generate(self, prompts, max_new_tokens)
         requests = []
@@ -168,17 +181,8 @@ class Engine:
                 bar.update(self.stats.generated_tokens - before)
 
     def reset(self) -> None:
-        """Drop every request and free every block. With prefix caching the cache is rebuilt empty: a block
-        registered by an interrupted prefill may hold placeholder K/V, and must never be found."""
-        cache = self.cache
-        for seq_id in list(cache.seq_lens):
-            cache.free_sequence(seq_id)
-        if cache.prefix_cache is not None:
-            # the model's own dtype as kv_cache_dtype means no quantization, as None does
-            self.cache = self.model.new_cache(cache.num_blocks, cache.block_size,
-                                              enable_prefix_caching=True,
-                                              kv_cache_dtype=cache.dtype,
-                                              prefix_cache=cache.prefix_cache_kind)
+        """Drop every request and every block, cached ones included: a fresh cache and scheduler."""
+        self.cache = self._new_cache()
         self.scheduler = self._new_scheduler()
         self.requests.clear()
         self._in_step = False

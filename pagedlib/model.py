@@ -2,10 +2,10 @@
 
 Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
 (``checks.SUPPORTED_MODELS``; ``pagedlib.loader`` reads the config and copies the weights). A forward pass
-(``PagedLlama.step``) runs the new tokens of many sequences flattened together, decodes and prompt chunks
-alike (vLLM V1's step): it first **reserves** a slot for every new token (``cache.reserve``: blocks taken,
-nothing written), then per layer **writes** K/V there and **attends** through the table with one varlen
-kernel, reading where everything is from the step's ``Step`` (``kernels/varlen.py``).
+(``PagedLlama.forward``) runs a step the scheduler planned: the new tokens of many sequences flattened
+together, decodes and prompt chunks alike (vLLM V1's step), each with the slot the scheduler reserved for it
+(``Batch``). Per layer it **writes** K/V there and **attends** through the tables with one varlen kernel,
+reading where everything is from the step's ``Step`` (``kernels/varlen.py``). It never allocates.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlib import checks, loader
-from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.cache import Batch, PagedKVCache
 from pagedlib.kernels.varlen import Step, plan_varlen
 
 
@@ -136,9 +136,9 @@ class DecoderLayer(nn.Module):
 
 
 class PagedLlama(nn.Module):
-    """A Llama decoder that keeps its K/V in a ``PagedKVCache``: ``step`` appends a run of tokens to each of
-    several sequences (a prompt, a prompt's chunk, a decode's one token) and returns the logits after each
-    run's last token."""
+    """A Llama decoder that keeps its K/V in a ``PagedKVCache``: ``forward`` runs a planned step (a run of new
+    tokens for each of several sequences: a prompt, a prompt's chunk, a decode's one token) and returns the
+    logits after each run's last token; ``step`` plans a one-off step itself."""
 
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
@@ -191,46 +191,43 @@ class PagedLlama(nn.Module):
     @torch.no_grad()
     def step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable],
              chunks: Sequence[Sequence[int]], *, attention: str = "torch") -> torch.Tensor:
-        """One forward pass: append ``chunks[i]`` (>= 1 token) to distinct live sequence ``seq_ids[i]``, each
-        token attending causally to everything its sequence holds. Returns ``[batch, vocab_size]`` logits
-        after each chunk's last token. All or nothing: ``OutOfBlocksError`` if the pool cannot hold every
-        chunk, and a forward pass that raises (an interrupt) is undone; the blocks it fills become findable
-        by prefix caching only once every layer has written its K/V."""
+        """A one-off step outside an engine (notebook 08): append ``chunks[i]`` (>= 1 token) to distinct live
+        sequence ``seq_ids[i]``, each token attending causally to everything its sequence holds. Returns
+        ``[batch, vocab_size]`` logits after each chunk's last token. All or nothing: ``OutOfBlocksError`` if
+        the pool cannot hold every chunk, and a forward pass that raises (an interrupt) is undone."""
         seq_ids, chunks = checks.check_step(self, cache, seq_ids, chunks, attention)
-        counts = [len(chunk) for chunk in chunks]
-        tokens = [token for chunk in chunks for token in chunk]
-        logits = []
+        with cache.reserving(seq_ids, chunks) as batch:  # slots reserved; undone if the pass raises
+            return self.forward(cache, batch, attention)
 
-        def forward(slots, copies):  # reserve's write: each sequence's new slots, then block copies
-            cache.pool.copy_blocks(copies)
-            step = self._step(cache, seq_ids, counts, tokens, slots, attention)
-            logits.append(self._forward(step, cache))
+    @torch.no_grad()
+    def forward(self, cache: PagedKVCache, batch: Batch, attention: str = "torch") -> torch.Tensor:
+        """Run a step planned already (``Scheduler.schedule``'s ``plan.batch``): make its block copies, then
+        per layer write each new token's K/V into its slot and attend through the tables. Returns
+        ``[len(batch.seq_ids), vocab_size]`` logits after each sequence's last new token."""
+        cache.pool.copy_blocks(batch.copies)
+        return self._forward(self._step(cache, batch, attention), cache)
 
-        # checked above (check_step), so straight to the block manager: blocks, then the forward pass
-        cache.manager.reserve(seq_ids, counts, tokens, forward)
-        return logits[0]
-
-    def _step(self, cache: PagedKVCache, seq_ids: list[Hashable], counts: list[int],
-              tokens: list[int], slots: list[list[int]], attention: str) -> Step:
-        """The ``Step`` of ``tokens``, the last ``counts[i]`` of sequence ``seq_ids[i]`` (reserved already:
-        the lengths count them, ``slots`` are their slots, sequence by sequence)."""
+    def _step(self, cache: PagedKVCache, batch: Batch, attention: str) -> Step:
+        """The ``Step`` tensors of ``batch``: where each new token goes and what it attends to."""
         device = self.device
         block_size = cache.block_size
-        lens = [cache.seq_lens[seq_id] for seq_id in seq_ids]               # after the step
         positions = []
         query_start_loc = [0]
-        for length, count in zip(lens, counts):
-            positions += range(length - count, length)
+        for length, new in zip(batch.seq_lens, batch.slots):
+            positions += range(length - len(new), length)
             query_start_loc.append(len(positions))
         # slot = block * block_size + offset (vLLM's slot_mapping); a list of ints makes int64 tensors
-        flat_slots = [slot for sequence_slots in slots for slot in sequence_slots]
+        flat_slots = [slot for sequence_slots in batch.slots for slot in sequence_slots]
         slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
-        tables = cache.block_table(seq_ids)                                 # [B, max_blocks]
+        width = max(map(len, batch.block_tables))
+        rows = [table + [-1] * (width - len(table)) for table in batch.block_tables]
+        tables = torch.tensor(rows, dtype=torch.int32, device=device)       # [B, max_blocks]
         plan = None
         if attention == "torch":
             shape = self.shape
             kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
-            plan = plan_varlen(tables, lens, query_start_loc, block_size, kv_bytes_per_token)
+            plan = plan_varlen(tables, batch.seq_lens, query_start_loc, block_size, kv_bytes_per_token)
+        tokens = [token for new in batch.token_ids for token in new]  # type: ignore[union-attr]
         return Step(
             tokens=torch.tensor(tokens, device=device),
             positions=torch.tensor(positions, device=device),
@@ -238,7 +235,7 @@ class PagedLlama(nn.Module):
             offsets=slot_mapping % block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             block_tables=tables,
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
             plan=plan,
         )
 

@@ -1,12 +1,9 @@
 """Tools to test code that uses the paged KV cache, as ``torch.testing`` is for tensors: the invariants of a
 ``BlockManager`` and of both prefix caches, who holds each block, what changed between two states of a
-``PagedKVCache``, NaN written into every slot that holds no token, the text ``repr(cache)`` shows, and the
-figures notebooks read off a cache (how full its blocks are, what its prefix cache found).
+``PagedKVCache``, and NaN written into every slot that holds no token.
 
-It lives apart from the engine because a request never runs through it: the engine calls none of it, tests,
-notebook checks and widgets do. The objects keep one-line methods that call it (``cache.check_invariants()``,
-``cache.state_diff(before)``, ``cache.fill_unused()``, ``cache.utilization``). It imports nothing from
-``pagedlib`` but ``util`` and works on the objects it is given, so ``core`` may call it."""
+No request runs through it: tests, notebook checks and widgets call it, the engine never does. It sits
+above ``core`` and reads the objects it is given."""
 
 from __future__ import annotations
 
@@ -15,14 +12,16 @@ from typing import Any
 
 import torch
 
+from pagedlib.core.blocks import BlockManager, InvariantError
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
+
+__all__ = ["InvariantError", "block_holders", "block_owners", "check_hash_cache", "check_invariants",
+           "check_radix_cache", "fill_unused", "holders", "radix_state", "state_diff"]
 
 # what state_diff compares: the attributes of a PagedKVCache
 STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
-
-
-class InvariantError(AssertionError):
-    """``check_invariants`` found the bookkeeping inconsistent (a bug, never bad user input)."""
 
 
 def holders(manager: Any) -> list[list[tuple[Hashable, int]]]:
@@ -42,9 +41,13 @@ def holders(manager: Any) -> list[list[tuple[Hashable, int]]]:
     return found
 
 
-def check_invariants(manager: Any) -> None:
-    """Raise ``InvariantError`` naming the first broken invariant of a ``BlockManager``: 1 reference counts,
-    2 free blocks, 3 block ids, 4 table lengths (notebook 02), 5 shared blocks, 6 prefix caching (06)."""
+def check_invariants(cache: PagedKVCache | BlockManager) -> None:
+    """Raise ``InvariantError`` naming the first broken invariant of a ``PagedKVCache``'s (or a
+    ``BlockManager``'s) bookkeeping: 1 reference counts, 2 free blocks, 3 block ids, 4 table lengths
+    (notebook 02), 5 shared blocks, 6 prefix caching (06)."""
+    manager = cache
+    if isinstance(cache, PagedKVCache):
+        manager = cache.manager
     held_by = holders(manager)
     block_size = manager.block_size
     for block, count in enumerate(manager.ref_counts):
@@ -52,21 +55,7 @@ def check_invariants(manager: Any) -> None:
             names = [seq_id for seq_id, _ in held_by[block]]
             raise InvariantError(f"1: block {block} has reference count {count} but "
                                  f"{len(names)} tables hold it ({names})")
-    free = list(manager.free)
-    if manager.prefix_cache is not None:
-        free += list(manager.prefix_cache.free_queue)
-    for block in free:
-        _check_block_id(block, manager.num_blocks, "the free stack")
-        if held_by[block]:
-            holder = held_by[block][0][0]
-            raise InvariantError(f"2: block {block} is held by sequence {holder!r} "
-                                 f"and also on the free stack")
-    if len(set(free)) != len(free):
-        raise InvariantError("2: a block appears twice among the free blocks")
-    unheld = [block for block in range(manager.num_blocks) if not held_by[block]]
-    if len(unheld) != len(free):
-        leaked = sorted(set(unheld) - set(free))
-        raise InvariantError(f"2: blocks {leaked} are neither free nor held (leaked)")
+    _check_free(manager, held_by)
     for seq_id, length in manager.seq_lens.items():
         held = len(manager.tables[seq_id])
         want = ceil_div(length, block_size)
@@ -83,6 +72,25 @@ def check_invariants(manager: Any) -> None:
         _check_prefix_cache(manager)
 
 
+def _check_free(manager: Any, held_by: list[list[tuple[Hashable, int]]]) -> None:
+    """Invariant 2: every block nobody holds is free (on the stack or in the prefix cache's queue), once."""
+    free = list(manager.free)
+    if manager.prefix_cache is not None:
+        free += list(manager.prefix_cache.free_queue)
+    for block in free:
+        _check_block_id(block, manager.num_blocks, "the free stack")
+        if held_by[block]:
+            holder = held_by[block][0][0]
+            raise InvariantError(f"2: block {block} is held by sequence {holder!r} "
+                                 f"and also on the free stack")
+    if len(set(free)) != len(free):
+        raise InvariantError("2: a block appears twice among the free blocks")
+    unheld = [block for block in range(manager.num_blocks) if not held_by[block]]
+    if len(unheld) != len(free):
+        leaked = sorted(set(unheld) - set(free))
+        raise InvariantError(f"2: blocks {leaked} are neither free nor held (leaked)")
+
+
 def _check_block_id(block: object, num_blocks: int, where: str) -> None:
     """Invariant 3: ``block`` is a real block id, ``0 <= block < num_blocks``."""
     if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < num_blocks:
@@ -97,27 +105,31 @@ def _check_prefix_cache(manager: Any) -> None:
         if known != manager.seq_lens[seq_id]:
             raise InvariantError(f"6: sequence {seq_id!r} has {known} token ids "
                                  f"for {manager.seq_lens[seq_id]} tokens")
-    prefix_cache = manager.prefix_cache
-    if _is_radix(prefix_cache):
-        problem = check_radix_cache(prefix_cache, manager.tables, manager.token_ids)
+    if isinstance(manager.prefix_cache, RadixCache):
+        problem = check_radix_cache(manager.prefix_cache, manager)
     else:
-        problem = check_hash_cache(prefix_cache, manager.tables, manager.token_ids)
+        problem = check_hash_cache(manager.prefix_cache, manager)
     if problem is not None:
         raise InvariantError(f"6: {problem}")
 
 
-def _is_radix(prefix_cache: Any) -> bool:
-    """A ``RadixCache``, not a ``PrefixCache``: a tree maps blocks to its nodes (asked so, because this
-    module imports no class of core)."""
-    return hasattr(prefix_cache, "node_of")
-
-
-def check_hash_cache(prefix_cache: Any, tables: dict, token_ids: dict) -> str | None:
-    """The first broken invariant of a ``PrefixCache``, or ``None``: every full block of every table has the
-    key of its tokens after its parent, and every block waiting in ``free_queue`` is findable."""
+def check_hash_cache(prefix_cache: Any, manager: BlockManager) -> str | None:
+    """The first broken invariant of a ``PrefixCache``, or ``None``: its two maps agree (``keys[b]`` is the
+    key of each registered block, ``blocks[key]`` lists every block with that key); every full block of
+    every table has the key of its tokens after its parent, and no partly filled block has a key; a
+    registered block nobody holds waits in ``free_queue``, never on the plain free stack; every block in
+    ``free_queue`` is registered and held by nobody."""
     block_size = prefix_cache.block_size
+    for key, blocks in prefix_cache.blocks.items():
+        if not blocks or any(prefix_cache.keys.get(block) != key for block in blocks):
+            return f"key {key} names blocks {list(blocks)}, whose own keys differ"
+    for block, key in prefix_cache.keys.items():
+        if block not in prefix_cache.blocks.get(key, ()):
+            return f"block {block} has key {key}, which does not name it"
+    tables, token_ids = manager.tables, manager.token_ids
     for seq_id, table in tables.items():
-        for index in range(len(token_ids[seq_id]) // block_size):
+        full = len(token_ids[seq_id]) // block_size
+        for index in range(full):
             block = table[index]
             key = prefix_cache.keys.get(block)
             tokens = tuple(token_ids[seq_id][index * block_size:(index + 1) * block_size])
@@ -125,19 +137,37 @@ def check_hash_cache(prefix_cache: Any, tables: dict, token_ids: dict) -> str | 
             if index > 0:
                 parent = prefix_cache.keys.get(table[index - 1])
             if key is None or key.tokens != tokens or key.parent != parent:
-                where = f"full block {block} of sequence {seq_id!r}"
-                return f"{where} has key {key}, not its tokens"
-    stale = [block for block in prefix_cache.free_queue if not prefix_cache.is_cached(block)]
+                return f"full block {block} of sequence {seq_id!r} has key {key}, not its tokens"
+        for block in table[full:]:
+            if block in prefix_cache.keys:
+                return f"block {block}, partly filled in sequence {seq_id!r}, has a key"
+    return _check_free_cached(prefix_cache, manager, prefix_cache.keys)
+
+
+def _check_free_cached(prefix_cache: Any, manager: BlockManager, cached: Any) -> str | None:
+    """Both caches: a cached block nobody holds waits in ``free_queue``, which holds only such blocks; the
+    plain free stack holds no cached block (the next allocation would overwrite what a lookup finds)."""
+    on_stack = [block for block in manager.free if block in cached]
+    if on_stack:
+        return f"cached blocks {on_stack} are on the plain free stack"
+    stale = [block for block in prefix_cache.free_queue
+             if block not in cached or manager.ref_counts[block] > 0]
     if stale:
-        return f"blocks {stale} wait in the prefix cache's queue without cached content"
+        return f"blocks {stale} wait in the prefix cache's queue, held or without cached content"
+    lost = [block for block in cached
+            if manager.ref_counts[block] == 0 and block not in prefix_cache.free_queue]
+    if lost:
+        return f"cached blocks {lost} are held by nobody and not in the prefix cache's queue"
     return None
 
 
-def check_radix_cache(tree: Any, tables: dict, token_ids: dict) -> str | None:
+def check_radix_cache(tree: Any, manager: BlockManager) -> str | None:
     """The first broken invariant of a ``RadixCache``, or ``None``: every cached block sits in exactly one
     node reachable from the root, runs are whole blocks, every full block of a table is the block its
-    tokens walk to (and no partly filled one is cached), and a free block has no held block after it (so
-    eviction can always reach it)."""
+    tokens walk to (and no partly filled one is cached), a free block has no held block after it (so
+    eviction can always reach it), and a cached block nobody holds waits in ``free_queue``, never on the
+    plain free stack."""
+    tables, token_ids = manager.tables, manager.token_ids
     block_size = tree.block_size
     seen = {}
     todo = [tree.root]
@@ -164,7 +194,7 @@ def check_radix_cache(tree: Any, tables: dict, token_ids: dict) -> str | None:
         later += [after for child in node.children.values() for after in child.blocks]
         if any(after not in tree.free_queue for after in later):
             return f"free block {block} has a held block after it in the tree"
-    return None
+    return _check_free_cached(tree, manager, tree.node_of)
 
 
 def radix_state(tree: Any) -> tuple:
@@ -211,6 +241,8 @@ def state_diff(after: Any, before: Any) -> list[str]:
 
 def _same(now: object, before: object) -> bool:
     """Equal, and for tensors bit for bit with NaN equal to NaN."""
+    if isinstance(now, RadixCache):
+        return isinstance(before, RadixCache) and radix_state(now) == radix_state(before)
     if not isinstance(now, torch.Tensor):
         return now == before
     if not isinstance(before, torch.Tensor):
@@ -243,77 +275,3 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.element_size() == 1:
         return tensor.view(torch.uint8)
     return tensor
-
-
-def describe(cache: Any) -> str:
-    """What ``repr(cache)`` shows of a ``PagedKVCache``: its sizes; its blocks used, free (cached among
-    them), shared and copied; its tokens; the first eight block tables."""
-    dtype = str(cache.dtype).replace("torch.", "")
-    blocks = f"  blocks: {cache.num_used_blocks} used, {cache.num_free_blocks} free"
-    if cache.prefix_cache is not None:
-        blocks += f", {len(cache.prefix_cache.free_queue)} of them cached"
-    if cache.free:
-        blocks += f" (top of stack: {cache.free[-1]})"
-    else:
-        blocks += " (stack empty)"
-    shared = sum(count > 1 for count in cache.ref_counts)
-    if shared or cache.cow_copies:
-        blocks += f", {shared} shared, {cache.cow_copies} copied"
-    lines = [f"PagedKVCache(num_blocks={cache.num_blocks}, num_layers={cache.num_layers}, "
-             f"block_size={cache.block_size}, kv_heads={cache.kv_heads}, "
-             f"head_dim={cache.head_dim}, dtype={dtype}, device={cache.device})",
-             blocks,
-             f"  tokens: {cache.num_tokens} in {cache.num_allocated_slots} allocated slots "
-             f"(utilization {cache.utilization:.0%})"]
-    for seq_id, table in list(cache.tables.items())[:8]:
-        lines.append(f"  seq {seq_id!r}: len {cache.seq_lens[seq_id]}, table {table}")
-    if len(cache.tables) > 8:
-        lines.append(f"  ... and {len(cache.tables) - 8} more sequences")
-    return "\n".join(lines)
-
-
-def num_tokens(cache: Any) -> int:
-    """Tokens held by every sequence of a ``PagedKVCache``."""
-    return sum(cache.seq_lens.values())
-
-
-def num_allocated_slots(cache: Any) -> int:
-    """Slots of every block a table names (a shared block once per table)."""
-    return sum(len(table) for table in cache.tables.values()) * cache.block_size
-
-
-def utilization(cache: Any) -> float:
-    """Tokens per allocated slot (1.0 with nothing allocated); 1 - utilization: internal fragmentation."""
-    allocated = num_allocated_slots(cache)
-    if allocated == 0:
-        return 1.0
-    return num_tokens(cache) / allocated
-
-
-def sequence_utilization(cache: Any, seq_id: Hashable) -> float:
-    """Tokens per slot of one sequence's blocks (1.0 for an empty sequence)."""
-    allocated = len(cache.tables[seq_id]) * cache.block_size
-    if allocated == 0:
-        return 1.0
-    return cache.seq_lens[seq_id] / allocated
-
-
-def prefix_cache_stats(prefix_cache: Any) -> dict[str, float]:
-    """A prefix cache's counters: prompt tokens looked up, tokens found, the hit rate, blocks evicted, blocks
-    findable now; a radix tree adds its node count. ``None`` (prefix caching off): every count 0."""
-    if prefix_cache is None:
-        return {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evicted_blocks": 0,
-                "cached_blocks": 0}
-    rate = 0.0
-    if prefix_cache.queried_tokens:
-        rate = prefix_cache.hit_tokens / prefix_cache.queried_tokens
-    stats = {"queried_tokens": prefix_cache.queried_tokens,
-             "hit_tokens": prefix_cache.hit_tokens,
-             "hit_rate": rate,
-             "evicted_blocks": prefix_cache.evicted_blocks}
-    if _is_radix(prefix_cache):  # its blocks, and its nodes
-        stats["cached_blocks"] = len(prefix_cache.node_of)
-        stats["nodes"] = len(set(prefix_cache.node_of.values()))
-    else:
-        stats["cached_blocks"] = len(prefix_cache.blocks)
-    return stats

@@ -8,6 +8,7 @@ import copy
 import torch
 
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.testing import check_invariants, state_diff
 from pagedlib.util import ceil_div
 
 
@@ -18,8 +19,8 @@ def snapshot(c: PagedKVCache) -> PagedKVCache:
 
 def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     """``c`` is bit-for-bit what ``snapshot`` saw (NaN slots included), and still consistent."""
-    assert c.state_diff(snap) == [], f"changed: {c.state_diff(snap)}"
-    c.check_invariants()
+    assert state_diff(c, snap) == [], f"changed: {state_diff(c, snap)}"
+    check_invariants(c)
 
 
 TINY_SIZES = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

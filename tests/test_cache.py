@@ -12,6 +12,7 @@ import torch
 from helpers import assert_unchanged, random_kv, snapshot
 
 from pagedlib.core.cache import InvariantError, OutOfBlocksError, PagedKVCache, Slot, UnknownSequenceError
+from pagedlib.testing import block_owners, check_invariants, fill_unused, state_diff
 from pagedlib.util import ceil_div
 
 L, BS, H, D = 2, 4, 2, 3
@@ -36,7 +37,7 @@ def test_new_cache_shapes_and_stack():
     assert c.tables == {} and c.seq_lens == {}
     assert c.num_free_blocks == 6 and c.num_used_blocks == 0
     assert c.utilization == 1.0
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_free_order_prefix_then_ascending():
@@ -117,7 +118,7 @@ def test_article_decode_trace():
     assert c.tables[0] == [5, 2]
     assert c.append_token(0, k[:, 8], v[:, 8]) == Slot(9, 0)
     assert c.tables[0] == [5, 2, 9] and c.seq_lens[0] == 9
-    c.check_invariants()
+    check_invariants(c)
     assert torch.equal(c.gather(0)[0], k)
 
 
@@ -130,7 +131,7 @@ def test_append_tokens_continues_a_partial_block():
     assert c.append_tokens(0, k[:, 4:4], v[:, 4:4]) == []  # n = 0 is a no-op
     assert c.append_tokens(0, k[:, 4:11], v[:, 4:11]) == [1, 2]
     assert torch.equal(c.gather(0)[1], v)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_append_batch_matches_per_token_appends():
@@ -148,7 +149,7 @@ def test_append_batch_matches_per_token_appends():
         assert slots == want
         assert c.tables == ref.tables and c.seq_lens == ref.seq_lens and c.free == ref.free
         assert torch.equal(c.k, ref.k) and torch.equal(c.v, ref.v)
-        c.check_invariants()
+        check_invariants(c)
 
 
 def test_append_batch_accepts_tensor_ids_and_empty_batch():
@@ -246,7 +247,7 @@ def test_utilization_figures():
     assert c.utilization == pytest.approx(9 / 12)
     assert c.sequence_utilization(0) == pytest.approx(5 / 8)
     assert c.sequence_utilization(1) == 1.0
-    assert c.block_owners() == [0, 0, 1] + [None] * 9
+    assert block_owners(c) == [0, 0, 1] + [None] * 9
 
 
 def test_fill_unused_poisons_only_empty_slots():
@@ -254,7 +255,7 @@ def test_fill_unused_poisons_only_empty_slots():
     c.add_sequence(0)
     k, v = kv(5)
     c.append_tokens(0, k, v)
-    c.fill_unused()
+    fill_unused(c)
     assert torch.equal(c.gather(0)[0], k) and torch.equal(c.gather(0)[1], v)
     assert torch.isnan(c.k[1, :, 1:]).all() and torch.isnan(c.v[2:]).all()  # tail of block 1, free blocks
     assert not torch.isnan(c.k[0]).any() and not torch.isnan(c.k[1, :, 0]).any()
@@ -281,7 +282,7 @@ def test_free_returns_every_block():
     assert c.free_sequence(0) == blocks
     assert c.free[-3:] == blocks  # its last block is back on top (reused first, as in vLLM 0.32.0)
     assert sorted(c.free) == list(range(12)) and c.tables == {} and c.seq_lens == {}
-    c.check_invariants()
+    check_invariants(c)
     c.add_sequence(0)  # the id can be reused after freeing
     assert c.append_tokens(0, *kv(1)) == [blocks[-1]]
 
@@ -320,7 +321,7 @@ def test_interleaved_sequences_leak_nothing():
             victim = max(c.seq_lens, key=c.seq_lens.get)
             c.free_sequence(victim)
             del written[victim]
-        c.check_invariants()
+        check_invariants(c)
         used = sum(ceil_div(n, BS) for n in c.seq_lens.values())
         assert c.num_free_blocks == 16 - used
         for t, toks in written.items():
@@ -342,7 +343,7 @@ def busy() -> PagedKVCache:
     for s, n in [("a", 5), ("full", 8), ("e", 0)]:
         c.add_sequence(s)
         c.append_tokens(s, *kv(n, seed=len(s)))
-    c.fill_unused()
+    fill_unused(c)
     assert c.num_free_blocks == 2
     c.append_tokens("a", *kv(4, seed=9))  # a: 9 tokens, 3 blocks; 1 block free
     assert c.num_free_blocks == 1
@@ -450,10 +451,10 @@ def test_check_invariants_detects_corruption(corrupt, number):
     for s, n in [("a", 6), ("b", 3)]:
         c.add_sequence(s)
         c.append_tokens(s, *kv(n))
-    c.check_invariants()
+    check_invariants(c)
     corrupt(c)
     with pytest.raises(InvariantError, match=number):
-        c.check_invariants()
+        check_invariants(c)
 
 
 def test_read_side_takes_any_iterable_of_ids_and_tensors():
@@ -529,9 +530,9 @@ def test_state_diff_names_what_changed():
     c = make(6, fill=float("nan"))
     c.add_sequence(0)
     before = snapshot(c)
-    assert c.state_diff(before) == []  # NaN slots compare equal to themselves
+    assert state_diff(c, before) == []  # NaN slots compare equal to themselves
     c.append_tokens(0, *kv(5))
-    assert set(c.state_diff(before)) == {"k", "v", "free", "tables", "seq_lens", "ref_counts"}
+    assert set(state_diff(c, before)) == {"k", "v", "free", "tables", "seq_lens", "ref_counts"}
 
 
 def test_reserve_takes_the_slots_an_append_would_write_and_writes_no_kv():
@@ -557,7 +558,7 @@ def test_reserve_takes_the_slots_an_append_would_write_and_writes_no_kv():
     untouched = [b for b in range(12) if b != copy]  # no K/V written anywhere else: still NaN where unused
     for pool, before in zip((c.k, c.v), pools):
         assert torch.equal(pool[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
-    c.check_invariants()
+    check_invariants(c)
     snap = snapshot(c)
     for call, text in [(lambda: c.reserve(["a"], [1, 2]), "counts must be a list of 1 ints"),
                        (lambda: c.reserve(["a"], [-1]), r"counts\[0\] must be >= 0"),

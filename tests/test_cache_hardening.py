@@ -11,9 +11,12 @@ import pytest
 import torch
 from helpers import assert_unchanged, random_kv, snapshot
 
+from pagedlib import testing
+from pagedlib.core.blocks import BlockManager
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.testing import check_invariants, state_diff
 
 L, BS, H, D = 2, 4, 1, 2
 
@@ -78,17 +81,17 @@ def test_an_exception_inside_an_append_changes_nothing(monkeypatch, step, append
     monkeypatch.setattr(owner, name, raise_on_call(getattr(owner, name), n, exc))
     with pytest.raises(exc, match="injected"):
         call(c, caching)
-    changed = set(c.state_diff(snap))
+    changed = set(state_diff(c, snap))
     # K/V written before the step that failed went into slots that hold no token again (a block free again,
     # the tail of a last block): such slots may hold anything; the prefix cache registers after the write
     assert changed <= ({"k", "v"} if step != "KVPool.copy_blocks" else set()), changed
-    c.check_invariants()
+    check_invariants(c)
     assert c.num_free_blocks == free
     for s in c.tables:
         assert all(torch.equal(a, b) for a, b in zip(c.gather(s), snap.gather(s)))
     monkeypatch.undo()
     call(c, caching)  # the same call then works
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_an_interrupt_after_an_eviction_leaves_a_consistent_cache(monkeypatch):
@@ -102,7 +105,7 @@ def test_an_interrupt_after_an_eviction_leaves_a_consistent_cache(monkeypatch):
     monkeypatch.setattr(KVPool, "write", raise_on_call(KVPool.write, 1, KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         c.append_tokens("b", *kv(9, seed=1), token_ids=[5] * 9)  # all 3 blocks: 1 plain, 2 evicted
-    c.check_invariants()
+    check_invariants(c)
     assert c.num_free_blocks == 3 and c.tables["b"] == [] and c.prefix_cache_stats()["cached_blocks"] == 0
     assert c.add_sequence("c", list(range(8))) == 0
 
@@ -184,11 +187,11 @@ def test_an_interrupt_inside_evict_during_an_append_leaks_nothing(monkeypatch, d
     with pytest.raises(KeyboardInterrupt, match="injected"):
         c.append_tokens("b", *kv(16, seed=1), token_ids=[50] * 16)  # 4 blocks: 1 plain, 3 evicted
     monkeypatch.undo()
-    c.check_invariants()
+    check_invariants(c)
     assert c.num_free_blocks == free and c.tables["b"] == [] and c.seq_lens["b"] == 0
-    assert set(c.state_diff(snap)) <= {"free", "prefix_cache"}   # the evicted block is plain free now
+    assert set(state_diff(c, snap)) <= {"free", "prefix_cache"}   # the evicted block is plain free now
     c.append_tokens("b", *kv(16, seed=1), token_ids=[50] * 16)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_an_interrupt_inside_the_radix_partial_block_copy_adds_nothing(monkeypatch):
@@ -203,11 +206,11 @@ def test_an_interrupt_inside_the_radix_partial_block_copy_adds_nothing(monkeypat
     with pytest.raises(KeyboardInterrupt, match="injected"):
         c.add_sequence("b", prompt)
     monkeypatch.undo()
-    c.check_invariants()
+    check_invariants(c)
     assert "b" not in c.tables and c.num_free_blocks == free and c.ref_counts == counts
     assert c.add_sequence("b", prompt) == 6
     assert torch.equal(c.gather("b")[0], c.gather("a")[0][:, :6])
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_gather_on_an_fp8_cache_gives_the_values_the_bytes_stand_for():
@@ -238,7 +241,7 @@ def test_a_block_registered_with_the_wrong_number_of_tokens_is_refused(tokens):
     tree = RadixCache(4)
     with pytest.raises(ValueError, match="block_size=4"):
         tree.insert(0, None, tokens)
-    assert tree.check({}, {}) is None and tree.node_of == {}
+    assert testing.check_radix_cache(tree, BlockManager(4, 4)) is None and tree.node_of == {}
 
 
 @pytest.mark.parametrize("together", [True, False])
@@ -259,11 +262,11 @@ def test_the_tree_finds_the_blocks_after_a_duplicate_computed_at_the_same_time(t
         else:
             c.append_tokens(0, *kv(9), token_ids=first)
             c.append_tokens(1, *kv(9, seed=1), token_ids=second)
-        c.check_invariants()
+        check_invariants(c)
         running = c.add_sequence(2, second)
         c.free_sequence(2)
         c.free_sequence(0)
         c.free_sequence(1)
         found[design] = (running, c.add_sequence(3, second))
-        c.check_invariants()
+        check_invariants(c)
     assert found == {"hash": (8, 8), "radix": (8, 8)}

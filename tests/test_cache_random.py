@@ -1,5 +1,5 @@
 """Long random runs (issue 30's acceptance): prompts that share prefixes (diverging at and inside block
-boundaries) are added, prefilled in chunks, batched like a model step (``reserve`` with a ``write``),
+boundaries) are added, prefilled in chunks, batched like a model step (``cache.reserving``),
 decoded, forked and freed, on four caches at once: the hash cache and the radix tree each in a roomy pool
 and in a tight one. In the tight pools calls run out of blocks and are interrupted (an exception injected
 into a K/V write, a block copy, a registration or an eviction, at a random call). After every operation
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.kv_pool import KVPool
+from pagedlib.testing import check_invariants, state_diff
 
 BS = 4
 STEM = [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -66,7 +67,7 @@ class Runner:
         try:
             return getattr(self, kind)(*operation[1:])
         except OutOfBlocksError:
-            assert self.cache.state_diff(snap) == []
+            assert state_diff(self.cache, snap) == []
         return None
 
     def add(self, seq: int, prompt: int) -> int | None:
@@ -93,7 +94,7 @@ class Runner:
         return out
 
     def step(self, seqs: list[int], blocks: int) -> None:
-        """Several sequences at once, as the model's step does: ``reserve`` with a ``write``."""
+        """Several sequences at once, as the model's step does: slots reserved, copies made, K/V written."""
         todo = self.targets(seqs, blocks)
         if not todo:
             return
@@ -102,10 +103,9 @@ class Runner:
         kv = torch.cat([stateful.kv_of(self.goal[seq][:target], len(self.tokens[seq]))
                         for seq, target in todo], dim=2)                     # [2, L, n, H, D]
 
-        def write(slots: list[list[int]]) -> None:
-            self.cache.pool.write([slot for row in slots for slot in row], kv[0], kv[1])
-
-        self.cache.reserve(ids, [len(tokens) for tokens in new], [t for tokens in new for t in tokens], write)
+        with self.cache.reserving(ids, new) as batch:                            # what a model's step does
+            self.cache.pool.copy_blocks(batch.copies)
+            self.cache.pool.write([slot for row in batch.slots for slot in row], kv[0], kv[1])
         for seq, tokens in zip(ids, new):
             self.tokens[seq] += tokens
 
@@ -169,14 +169,14 @@ class Runner:
             allowed = {"k", "v"}
             if self.cache.prefix_cache_stats()["evicted_blocks"] > evicted:
                 allowed |= {"free", "prefix_cache"}
-            assert set(self.cache.state_diff(snap)) <= allowed, self.cache.state_diff(snap)
+            assert set(state_diff(self.cache, snap)) <= allowed, state_diff(self.cache, snap)
             self.tokens = tokens
             self.goal = goal
         finally:
             setattr(owner, target, original)
 
     def check(self) -> None:
-        self.cache.check_invariants()
+        check_invariants(self.cache)
         assert self.cache.token_ids == self.tokens
         for seq, tokens in self.tokens.items():
             k, v = self.cache.gather(seq)                                       # [L, n, H, D]

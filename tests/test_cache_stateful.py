@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.kv_pool import KVPool
 from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.testing import check_invariants, state_diff
 from pagedlib.util import ceil_div
 
 L, H, D = 2, 1, 2  # tiny geometry: the bookkeeping is what is under test
@@ -227,7 +228,7 @@ class CacheMachine(RuleBasedStateMachine):
             event(f"interrupted in {step}")
             evictions = c.prefix_cache_stats()["evicted_blocks"] > evicted
             allowed = {"k", "v"} | ({"free", "prefix_cache"} if evictions else set())
-            assert set(c.state_diff(snap)) <= allowed, c.state_diff(snap)
+            assert set(state_diff(c, snap)) <= allowed, state_diff(c, snap)
             return
         finally:
             setattr(owner, step, original)
@@ -250,7 +251,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping(self) -> None:
         c = self.cache
-        c.check_invariants()
+        check_invariants(c)
         assert c.seq_lens == {s: len(t) for s, t in self.model.items()}
         assert c.num_used_blocks == len({b for t in c.tables.values() for b in t})
         assert c.cow_copies == self.copies

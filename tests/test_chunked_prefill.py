@@ -21,6 +21,7 @@ from pagedlib.core.scheduler import Scheduler
 from pagedlib.engine import Engine
 from pagedlib.sim.simulate import StepCost, new_scheduler, sim_step, simulate, write_fake_kv
 from pagedlib.sim.workloads import fake_output_token, shared_prompt_like
+from pagedlib.testing import check_invariants
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
 
@@ -50,7 +51,8 @@ def workloads(draw):
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_the_scheduler_keeps_its_budgets_and_every_request_gets_its_tokens(case):
-    """Every step: at most ``max_num_batched_tokens`` new tokens, no chunk over the cap, every running
+    """Every step: at most ``max_num_batched_tokens`` new tokens, no chunk over the cap (applied, as in vLLM,
+    only while more than one request is running or waiting), every running
     request's cache holds exactly its positions 0..n-1 (K = position; V = request id unless a prefix is
     shared): chunks land in order, a preempted request's chunks are gone; sampling requests hold all their
     tokens but the last. In the end: each request sampled exactly ``output_len`` tokens, at most one per
@@ -58,16 +60,18 @@ def test_the_scheduler_keeps_its_budgets_and_every_request_gets_its_tokens(case)
     requests, num_blocks, block_size, options = case
     sched = new_scheduler(requests, "paged", num_blocks, block_size, **options)
     budget = sched.max_num_batched_tokens
-    cap = sched.chunk_cap or budget
     arrivals, sampled, step = sorted(requests, key=lambda r: r.arrival), {r.req_id: [] for r in requests}, 0
     while arrivals or sched.has_unfinished:
         while arrivals and arrivals[0].arrival <= step:
             sched.add(arrivals.pop(0))
+        cap = budget
+        if len(sched.running) + len(sched.waiting) > 1:
+            cap = sched.chunk_cap or budget
         plan = sched.schedule()
         write_fake_kv(sched, plan)
         assert plan.num_tokens <= budget and all(1 <= n <= cap for _, n in plan.prefill)
         sampling = plan.sampling
-        sched.cache.check_invariants()
+        check_invariants(sched.cache)
         for r in sampling:
             sampled[r.req_id].append(step)
         sched.update(plan, [fake_output_token(r) for r, _ in plan.work])
@@ -103,16 +107,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
 
 
 def test_a_request_preempted_mid_prefill_starts_again():
-    """Request 1 has 3 of its 12 tokens stored when request 0's decode needs its block back: it loses the
-    chunk (recomputed_tokens), waits first in line, and is prefilled from position 0 when it returns."""
-    sched = Scheduler(PagedKVCache(4, 1, 4, 1, 1), max_num_batched_tokens=4, watermark=0.0, max_model_len=64)
-    sched.add(Request(0, 0, 8, 5))
-    sched.add(Request(1, 0, 12, 2))
-    plans = []
-    while sched.has_unfinished and len(plans) < 40:
-        plans.append(sim_step(sched)[0])
+    """Admitted on its first chunk alone (``full_prompt_must_fit=False``), request 1 has 3 of its 12 tokens
+    stored when request 0's decode needs its block back: it loses the chunk (recomputed_tokens), waits first
+    in line, and is prefilled from position 0 when it returns. With vLLM's rule (the default) it is not
+    admitted until its whole prompt fits, and nobody is preempted."""
+    for must_fit in (True, False):
+        sched = Scheduler(PagedKVCache(4, 1, 4, 1, 1), max_num_batched_tokens=4, max_model_len=64,
+                          full_prompt_must_fit=must_fit)
+        sched.add(Request(0, 0, 8, 5))
+        sched.add(Request(1, 0, 12, 2))
+        plans = []
+        while sched.has_unfinished and len(plans) < 40:
+            plans.append(sim_step(sched)[0])
+        assert not sched.has_unfinished and any(plan.preempted for plan in plans) is not must_fit
     recomputed = sum(plan.recomputed_tokens for plan in plans)
-    assert any(plan.preempted for plan in plans) and recomputed > 0 and not sched.has_unfinished
+    assert recomputed > 0
     back = next(i for i, p in enumerate(plans) if p.preempted) + 1
     assert any(r.req_id == 1 for r, _ in plans[back].prefill + plans[back + 1].prefill)
 

@@ -10,18 +10,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing m
 
 import pytest
 import torch
-from helpers import ORACLE_NEW_TOKENS, hf_greedy, tiny_llama
+from helpers import ORACLE_NEW_TOKENS, assert_unchanged, hf_greedy, snapshot, tiny_llama
 
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.engine import Engine
 from pagedlib.model import PagedLlama
+from pagedlib.testing import check_invariants
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
 
 
 def assert_idle(engine: Engine) -> None:
     """Every block back on the free stack, no request left."""
-    engine.cache.check_invariants()
+    check_invariants(engine.cache)
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
     assert not engine.cache.seq_lens and not engine.has_unfinished() and not engine.requests
 
@@ -78,13 +79,13 @@ def test_an_error_mid_run_frees_everything(model, monkeypatch):
     engine = Engine(model, num_blocks=16, block_size=4)
     calls = []
 
-    def failing_step(*args, **kwargs):
+    def failing_forward(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return PagedLlama.step(model, *args, **kwargs)
+        return PagedLlama.forward(model, *args, **kwargs)
 
-    monkeypatch.setattr(model, "step", failing_step)
+    monkeypatch.setattr(model, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="boom"):
         engine.generate([[1, 2, 3], [4, 5]], 8)
     assert_idle(engine)
@@ -118,11 +119,13 @@ def shared(ref):
     return prompts, [hf_greedy(hf, p, ORACLE_NEW_TOKENS)[0] for p in prompts]
 
 
-def test_an_error_mid_prefill_leaves_no_placeholder_block_to_find(model, shared, monkeypatch):
-    """The model reserves slots (registering full blocks by their token ids) before it computes their K/V;
-    if the forward pass fails there, those blocks must never be found: the engine starts a fresh cache."""
+@pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
+def test_an_error_mid_prefill_leaves_no_placeholder_block_to_find(model, shared, monkeypatch, prefix_cache):
+    """The scheduler registers the full blocks it schedules before the forward pass computes their K/V (as
+    vLLM does); if the pass fails, the step is undone: none of those blocks can be found, and the same
+    prompts then get fresh, correct tokens from the same engine."""
     prompts, want = shared
-    engine = Engine(model, num_blocks=64, block_size=8, enable_prefix_caching=True)
+    engine = Engine(model, num_blocks=64, block_size=8, enable_prefix_caching=True, prefix_cache=prefix_cache)
     monkeypatch.setattr(model, "_forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         engine.generate(prompts[:2], 4)
@@ -136,32 +139,57 @@ def test_an_error_mid_prefill_leaves_no_placeholder_block_to_find(model, shared,
 # an interrupted step, threads, numpy prompts, the watermark
 
 
-def test_an_interrupted_step_refuses_every_call_until_reset(ref, model, monkeypatch):
-    """A KeyboardInterrupt between the scheduler's plan and the forward pass: the engine says so on every
-    later call instead of generating 11 tokens where 12 were asked (or failing later); after ``reset()``
-    it is idle and generates exactly what transformers generates."""
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_an_interrupted_step_is_undone_and_the_engine_goes_on(ref, model, monkeypatch, enable_prefix_caching):
+    """A KeyboardInterrupt inside the forward pass: the step is undone (no block of it allocated, findable
+    or admitted), the interrupt reaches the caller, and the next ``step()`` plans the same step again: the
+    tokens are exactly transformers'."""
     _, prompts, outs = ref
-    engine = Engine(model, num_blocks=32, block_size=4)
-    engine.add_request(prompts[4], 12)
+    engine = Engine(model, num_blocks=32, block_size=4, enable_prefix_caching=enable_prefix_caching)
+    first = engine.add_request(prompts[4], 12)
     engine.step()                                                        # request 0 prefilled
-    engine.add_request(prompts[7], 12)
+    second = engine.add_request(prompts[7], 12)
+    before = snapshot(engine.cache)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model, "step", interrupted)                      # step 2 decodes 0, prefills 1
+    monkeypatch.setattr(model, "forward", interrupted)                   # step 2 decodes 0, prefills 1
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.undo()
-    # no request half-moved: each holds the K/V it has computed, and no token was appended
+    assert_unchanged(engine.cache, before)
     assert [len(r.output_tokens) for r in engine.requests.values()] == [1, 0]
-    assert all(engine.cache.seq_lens[r.req_id] == r.num_computed_tokens for r in engine.scheduler.running)
-    for call in (engine.step, lambda: engine.generate([[1, 2]], 3), lambda: engine.add_request([1], 2)):
-        with pytest.raises(RuntimeError, match=r"raised midway .* call reset\(\)"):
-            call()
+    assert [r.req_id for r in engine.scheduler.waiting] == [second]
+    check_invariants(engine.cache)
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(first), engine.output(second)] == [outs[4][0][:12], outs[7][0][:12]]
+    assert engine.cache.num_free_blocks == 32 and not engine.has_unfinished()
+
+
+def test_a_call_from_inside_a_step_is_refused_and_output_after_reset_says_why(ref, model, monkeypatch):
+    """Defects 24, 25: a call into the engine while its step runs names the reason; ``output`` of a request
+    that ``reset()`` forgot raises a ``KeyError`` that says so."""
+    _, prompts, _ = ref
+    engine = Engine(model, num_blocks=32, block_size=4)
+    req_id = engine.add_request(prompts[4], 3)
+    seen = []
+
+    def reentrant(*args, **kwargs):
+        for call in (engine.step, lambda: engine.add_request([1], 2), lambda: engine.abort(req_id)):
+            with pytest.raises(RuntimeError, match=r"inside step\(\)"):
+                call()
+            seen.append(call)
+        return PagedLlama.forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", reentrant)
+    engine.step()
+    assert len(seen) == 3
+    monkeypatch.undo()
     engine.reset()
-    assert_idle(engine)
-    assert engine.generate([prompts[4], prompts[7]], 12) == [outs[4][0][:12], outs[7][0][:12]]
+    with pytest.raises(KeyError, match="reset"):
+        engine.output(req_id)
 
 
 def test_abort_stops_a_request_in_any_state_and_the_others_run_on(ref, model):
@@ -179,7 +207,7 @@ def test_abort_stops_a_request_in_any_state_and_the_others_run_on(ref, model):
     waiting = [r.req_id for r in engine.scheduler.waiting if r.req_id not in preempted]
     for req_id in (preempted[0], running[0], waiting[0]):
         engine.abort(req_id)
-        engine.cache.check_invariants()
+        check_invariants(engine.cache)
     with pytest.raises(ValueError, match="not a waiting or running request"):
         engine.abort(running[0])
     while engine.has_unfinished():
@@ -200,9 +228,9 @@ def test_generate_from_a_second_thread_is_refused_while_the_first_runs(ref, mode
     def slow_step(*args, **kwargs):
         inside.set()
         release.wait(timeout=30)
-        return PagedLlama.step(model, *args, **kwargs)
+        return PagedLlama.forward(model, *args, **kwargs)
 
-    monkeypatch.setattr(model, "step", slow_step)
+    monkeypatch.setattr(model, "forward", slow_step)
     worker = threading.Thread(target=lambda: result.setdefault("out", engine.generate(prompts[:3], 6)))
     worker.start()
     assert inside.wait(timeout=30)
@@ -233,12 +261,26 @@ def test_numpy_prompts_are_token_lists(ref, model):
             Engine(model, num_blocks=8).generate([bad], 2)
 
 
-def test_a_lone_request_may_fill_the_pool_up_to_the_documented_watermark(model):
-    """With 100 blocks the scheduler keeps 1 free (1%, vLLM's default watermark): a request needing all 100
-    is refused with a message that says so; one needing 99 runs."""
-    engine = Engine(model, num_blocks=100, block_size=1)
-    assert engine.watermark_blocks == 1
-    with pytest.raises(ValueError, match=r"100 token slots .* pool of 100 blocks less the watermark of 1 "):
-        engine.generate([list(range(100))], 1)
-    assert len(engine.generate([list(range(99))], 1)[0]) == 1
+def test_a_lone_request_may_fill_the_pool_and_the_watermark_holds_only_while_others_run(model):
+    """vLLM 0.32.0's rule: the watermark (default 0.0) is kept free only while a request runs. With 100
+    blocks of 1 and ``watermark=0.05``, a lone request may still fill all 100 (its peak is the prompt and
+    every new token but the last); a second one waits while the first runs if admitting it would leave fewer
+    than 5 blocks free."""
+    engine = Engine(model, num_blocks=100, block_size=1, watermark=0.05)
+    assert engine.watermark_blocks == 5
+    with pytest.raises(ValueError, match=r"101 token slots .* pool of 100 blocks x 1 = 100"):
+        engine.generate([list(range(101))], 1)
+    assert len(engine.generate([list(range(100))], 1)[0]) == 1
     assert_idle(engine)
+    first = engine.add_request(list(range(50)), 20)
+    engine.step()                                                        # 50 blocks held, 50 free
+    second = engine.add_request(list(range(46)), 2)                      # 46 + 5 > 49 free after a decode
+    assert engine.step().prefilled == []
+    while second not in engine.step().prefilled:
+        pass
+    assert first in engine.stats.finished                                # it waited for the first to end
+    default = Engine(model, num_blocks=100, block_size=1)                # vLLM's default: no watermark
+    default.add_request(list(range(50)), 20)
+    default.step()
+    late = default.add_request(list(range(46)), 2)
+    assert default.step().prefilled == [late]

@@ -31,6 +31,7 @@ from pagedlib.kernels.attention import (
     rel_error,
     sliding_window_attention,
 )
+from pagedlib.testing import check_invariants, fill_unused
 
 E4M3, E5M2 = FP8_DTYPES
 MANTISSA = {E4M3: 3, E5M2: 2}
@@ -124,7 +125,7 @@ def filled(fmt, per_head: bool, lens=(5, 33, 17), kv_heads=2, head_dim=32, block
     for i, x in enumerate(kv):
         cache.add_sequence(i)
         cache.append_tokens(i, x[0], x[1])
-    cache.fill_unused()
+    fill_unused(cache)
     return cache, kv
 
 
@@ -242,7 +243,7 @@ def test_fork_copy_on_write_and_prefix_caching_keep_the_bytes():
     k0, k1 = cache.gather(0)[0], cache.gather(1)[0]
     assert torch.equal(k0, k1[:, :6])
     assert cache.add_sequence(2, list(range(6))) == 4  # one full block found again, bytes shared
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 @pytest.mark.parametrize("x", [[1e4, math.nan, 1.0], [1e4, math.inf, 1.0], [-math.inf, 0.0, 1.0]],

@@ -48,3 +48,18 @@ def test_bad_flags_are_usage_errors_before_any_work(flags, message, capsys, monk
         main(["generate", *flags])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "usage:" in err and message in err
+
+
+def test_measure_steps_counts_each_planned_step():
+    """The rows notebook 09 fits its step cost on: per step, the new tokens and the K/V tokens attention
+    reads, as the engine's plan has them (a prefill of 3 + 5 tokens, then decodes)."""
+    from helpers import tiny_llama
+
+    from pagedlib.bench.generate import measure_steps
+    from pagedlib.engine import Engine
+    from pagedlib.model import PagedLlama
+
+    engine = Engine(PagedLlama.from_hf(tiny_llama()), 16, 4)
+    rows = measure_steps(engine, [[1, 2, 3], [4, 5, 6, 7, 8]], 3)
+    assert [(tokens, context) for tokens, context, _ in rows] == [(8, 8), (2, 10), (2, 12)]
+    assert all(seconds > 0 for *_, seconds in rows) and "forward" not in vars(engine.model)

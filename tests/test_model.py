@@ -19,6 +19,7 @@ from helpers import ORACLE_NEW_TOKENS, assert_unchanged, hf_greedy, snapshot, ti
 import pagedlib  # noqa: F401  (before transformers, which imports triton: pagedlib picks its mode first)
 from pagedlib.core.cache import OutOfBlocksError
 from pagedlib.model import LlamaShape, PagedLlama
+from pagedlib.testing import check_invariants, fill_unused, state_diff
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (conftest)
 
@@ -39,10 +40,10 @@ def greedy(model: PagedLlama, prompts: list[list[int]], new_tokens: int, block_s
     steps = [model.step(cache, ids, prompts, attention=attention)]                 # [B, vocab]
     for _ in range(new_tokens - 1):
         if poison:
-            cache.fill_unused(float("nan"))
+            fill_unused(cache, float("nan"))
         tokens = [[t] for t in steps[-1].argmax(-1).tolist()]                          # one per sequence
         steps.append(model.step(cache, ids, tokens, attention=attention))
-    cache.check_invariants()
+    check_invariants(cache)
     assert cache.seq_lens == {i: len(p) + new_tokens - 1 for i, p in zip(ids, prompts)}
     logits = torch.stack(steps, dim=1)                                                 # [B, steps, vocab]
     return logits.argmax(-1).tolist(), logits
@@ -167,14 +168,14 @@ def test_prefill_after_a_prefix_cache_hit_equals_hf_forward(ref, model):
     assert cache.add_sequence("a", first) == 0
     model.step(cache, ["a"], [first])
     assert cache.add_sequence("b", second) == 16 and cache.tables["b"][:2] == cache.tables["a"][:2]
-    cache.fill_unused(float("nan"))
+    fill_unused(cache, float("nan"))
     steps = [model.step(cache, ["b"], [second[16:]])]                               # [1, vocab]
     for _ in range(5):
-        cache.fill_unused(float("nan"))
+        fill_unused(cache, float("nan"))
         steps.append(model.step(cache, ["b"], [[int(steps[-1].argmax())]]))
     torch.testing.assert_close(torch.cat(steps), want_logits, **LOGITS_TOL)
     assert [int(s.argmax()) for s in steps] == want_tokens
-    cache.check_invariants()
+    check_invariants(cache)
     assert cache.token_ids["b"] == second + want_tokens[:5]
 
 
@@ -210,8 +211,8 @@ def test_an_interrupted_step_is_undone_and_the_same_prompt_then_gets_fresh_logit
     with pytest.raises(KeyboardInterrupt, match="injected"):
         model.step(cache, [0], [prompt])
     monkeypatch.undo()
-    assert set(cache.state_diff(snap)) <= {"k", "v"}                 # slots that hold no token may change
-    cache.check_invariants()
+    assert set(state_diff(cache, snap)) <= {"k", "v"}                 # slots that hold no token may change
+    check_invariants(cache)
     cache.free_sequence(0)
     assert cache.add_sequence(1, prompt) == 0                        # nothing half written is found
     logits = model.step(cache, [1], [prompt])
@@ -220,4 +221,4 @@ def test_an_interrupted_step_is_undone_and_the_same_prompt_then_gets_fresh_logit
     torch.testing.assert_close(logits, model.step(fresh, [0], [prompt]), **LOGITS_TOL)
     cache.free_sequence(1)
     assert cache.add_sequence(2, prompt) == 16                       # written whole: found again
-    cache.check_invariants()
+    check_invariants(cache)

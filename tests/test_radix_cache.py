@@ -23,6 +23,7 @@ import pagedlib  # noqa: F401  (before transformers, which imports triton: paged
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.engine import Engine
+from pagedlib.testing import check_invariants
 
 
 class RadixMachine(stateful.CacheMachine):
@@ -121,7 +122,7 @@ def test_a_mid_block_divergence_copies_the_shared_part_of_the_block():
         cache = new_cache(design)
         prefill(cache, 0, a)
         found[design] = prefill(cache, 1, b)
-        cache.check_invariants()
+        check_invariants(cache)
         assert torch.equal(cache.gather(1)[0][0, :20], cache.gather(0)[0][0, :20])
     assert found == {"hash": 16, "radix": 20}
     assert cache.tables[1][:2] == cache.tables[0][:2] and cache.tables[1][2] != cache.tables[0][2]
@@ -164,7 +165,10 @@ def test_the_tree_is_ahead_where_prompts_diverge_inside_a_block():
     hash_row, radix_row = (run_design(requests, d, 4096, 16)[0] for d in ("hash", "radix"))
     assert radix_row["hit_rate"] > hash_row["hit_rate"]
     assert radix_row["prefill_tokens"] < hash_row["prefill_tokens"]
-    assert run_design(requests, "hash", 4096 * 16, 1)[0]["prefill_tokens"] == radix_row["prefill_tokens"]
+    # token-level matching, as the hash cache has at block size 1; the tree may compute a few tokens more:
+    # it never copies a partial block from a block whose K/V are written in the same step
+    token_level = run_design(requests, "hash", 4096 * 16, 1)[0]["prefill_tokens"]
+    assert token_level <= radix_row["prefill_tokens"] <= token_level + 16
 
 
 # ------------------------------------------------------------------------------------------------------

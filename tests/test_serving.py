@@ -18,6 +18,7 @@ from pagedlib.sim.budgets import POLICIES, FirstFit, SlabScheduler
 from pagedlib.sim.simulate import CATEGORIES, sim_step, simulate, write_fake_kv
 from pagedlib.sim.window import WindowScheduler
 from pagedlib.sim.workloads import alpaca_like, fake_output_token, shared_prompt_like, sharegpt_like
+from pagedlib.testing import check_invariants
 
 # ------------------------------------------------------------------------------------------------------
 # workloads
@@ -184,7 +185,7 @@ def test_recompute_rewrites_every_token_in_order():
             assert set(v.flatten().tolist()) == {r.req_id}
             assert r.num_computed_tokens == cache.seq_lens[r.req_id]
     assert seen_preempted and cache.num_free_blocks == 3
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_watermark_keeps_blocks_free_at_admission():
@@ -299,7 +300,7 @@ def test_abort_works_in_every_state():
     assert c.status is Status.WAITING and a.status is Status.RUNNING
     for r in (b, c, a):
         assert sched.abort(r.req_id) is r and r.status is Status.FINISHED
-        cache.check_invariants()
+        check_invariants(cache)
     assert not sched.has_unfinished and not sched.waiting and not sched.running
     assert cache.num_free_blocks == 3 and not cache.seq_lens
 
@@ -385,7 +386,7 @@ def test_prefix_hits_hand_computed():
         write_fake_kv(sched, plan)
         cached_tokens += plan.cached_tokens
         prefill_tokens += sum(n for _, n in plan.prefill)
-        cache.check_invariants()
+        check_invariants(cache)
         prefills.update({r.req_id: (cache.seq_lens[r.req_id] - n, n) for r, n in plan.prefill})
         if any(r.req_id == 1 for r, _ in plan.prefill):          # B shares A's first two blocks
             assert cache.tables[1][:2] == cache.tables[0][:2] and cache.ref_count(cache.tables[0][0]) == 2

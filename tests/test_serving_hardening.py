@@ -26,6 +26,7 @@ from pagedlib.sim.workloads import (
     sharegpt_like,
     synthetic_workload,
 )
+from pagedlib.testing import check_invariants
 
 LIMIT = 2 * 2**30  # address space of the probe: a few times what importing torch and pagedlib takes
 
@@ -122,16 +123,17 @@ def snapshot(sched: Scheduler) -> tuple:
 
 
 def fail_on(monkeypatch, cache: PagedKVCache, seq_id: int, error: BaseException) -> dict:
-    """Make ``cache.add_sequence(seq_id, ...)`` raise ``error`` while the returned switch is on."""
+    """Make the block manager's ``add_sequence(seq_id, ...)`` (the scheduler's admission) raise ``error``
+    while the returned switch is on."""
     switch = {"on": True}
-    add_sequence = cache.add_sequence
+    add_sequence = cache.manager.add_sequence
 
     def failing(sid, *args):
         if sid == seq_id and switch["on"]:
             raise error
         return add_sequence(sid, *args)
 
-    monkeypatch.setattr(cache, "add_sequence", failing)
+    monkeypatch.setattr(cache.manager, "add_sequence", failing)
     return switch
 
 
@@ -149,24 +151,26 @@ def test_a_failing_admission_leaves_every_request_waiting(monkeypatch, error, bu
     with pytest.raises(type(error)):
         sched.schedule()
     assert snapshot(sched) == before
-    cache.check_invariants()
+    check_invariants(cache)
     switch["on"] = False
     plan, _ = sim_step(sched)                     # and the scheduler works on
     assert [r.req_id for r, _ in plan.prefill] == [0, 1, 2]
 
 
 def test_a_failing_model_step_leaves_the_requests_where_the_plan_found_them():
-    # an interrupt in the forward pass: the plan is lost, no request has advanced, the cache is unchanged
-    # by the step, and the next plan computes the same tokens again
+    # an interrupt in the forward pass: the plan is undone, no request has advanced, the cache is as before
+    # the step, and the next plan computes the same tokens again
     cache = PagedKVCache(16, 1, 4, 1, 1)
     sched = Scheduler(cache, watermark=0.0, max_model_len=32, max_num_batched_tokens=4)
     for i in range(2):
         sched.add(Request(i, 0, 6, 2))
     sim_step(sched)                               # request 0: 4 of its 6 tokens
-    plan = sched.schedule()                       # request 0: 2 more; request 1: its first 2
     before = snapshot(sched)
-    del plan                                      # the model raised: nothing was written or sampled
+    plan = sched.schedule()                       # request 0: 2 more; request 1: its first 2
+    sched.undo(plan)                              # the model raised: nothing was written or sampled
     assert snapshot(sched) == before
+    with pytest.raises(ValueError, match="open plan"):
+        sched.update(plan, [0, 0])                # an undone plan is not taken again
     again, _ = sim_step(sched)
     assert [(r.req_id, n) for r, n in again.prefill] == [(0, 2), (1, 2)]
     assert sched.requests[0].output_tokens and not sched.requests[1].output_tokens

@@ -14,6 +14,7 @@ from pagedlib.core.scheduler import Scheduler
 from pagedlib.sim.budgets import POLICIES, SlabScheduler
 from pagedlib.sim.simulate import CATEGORIES, held_slots, new_scheduler, simulate, write_fake_kv
 from pagedlib.sim.workloads import fake_output_token, fake_token_ids
+from pagedlib.testing import check_invariants
 
 MAX_MODEL_LEN = 40
 
@@ -52,7 +53,7 @@ any_config = configs() | configs(caching=True)
 
 def check_step(sched: Scheduler, plan, cfg) -> None:
     cache, bs = sched.cache, cfg["block_size"]
-    cache.check_invariants()
+    check_invariants(cache)
     assert len(sched.running) <= cfg["max_num_seqs"]
     if not isinstance(sched, SlabScheduler):
         assert cache.num_used_blocks <= cfg["kv_budget_blocks"]
@@ -105,7 +106,7 @@ def test_scheduler_invariants_step_by_step(requests, cfg):
     assert cache.num_free_blocks == cache.num_blocks
     if isinstance(sched, SlabScheduler):
         assert not sched.slots.slabs
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 @settings(max_examples=80, deadline=None)

@@ -11,6 +11,7 @@ import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first im
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
 from pagedlib.core.prefix_cache import BlockKey
 from pagedlib.kernels.attention import contiguous_attention, paged_attention
+from pagedlib.testing import block_holders, check_invariants, fill_unused
 
 L, BS, H, D = 2, 4, 2, 8
 
@@ -62,9 +63,9 @@ def test_fork_shares_every_block_and_copies_nothing():
     c.fork("p", "c")
     assert c.tables["c"] == c.tables["p"] == [0, 1] and c.seq_lens["c"] == 6
     assert [c.ref_count(b) for b in (0, 1, 2)] == [2, 2, 0]
-    assert c.block_holders()[:2] == [["p", "c"], ["p", "c"]] and c.num_used_blocks == 2
+    assert block_holders(c)[:2] == [["p", "c"], ["p", "c"]] and c.num_used_blocks == 2
     assert torch.equal(c.k, pools[0]) and torch.equal(c.v, pools[1]) and c.cow_copies == 0
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_append_to_a_shared_partial_block_copies_it_once():
@@ -80,7 +81,7 @@ def test_append_to_a_shared_partial_block_copies_it_once():
     assert torch.equal(c.gather("c")[0][:, :6], parent_k)  # the copy carried the first 6 tokens
     c.append_token("p", *[t[:, 0] for t in kv_of([5], start=6)])  # p now holds block 1 alone: no copy
     assert c.cow_copies == 1 and c.tables["p"] == [0, 1]
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_appends_that_start_a_new_block_copy_nothing():
@@ -106,7 +107,7 @@ def test_a_batch_of_four_siblings_makes_three_copies():
     for i in range(4):
         gk = c.gather(i)[0]
         assert torch.equal(gk[:, 3], k[:, i]) and torch.equal(gk[:, :3], kv_of([1, 2, 3])[0])
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_free_returns_a_block_only_when_its_last_holder_goes():
@@ -116,7 +117,7 @@ def test_free_returns_a_block_only_when_its_last_holder_goes():
     c.fork("p", "c")
     assert c.free_sequence("p") == [] and c.ref_count(5) == 1 and c.num_free_blocks == 14
     assert c.free_sequence("c") == [5, 6] and c.free[-1] == 6 and c.num_free_blocks == 16
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_fork_errors_change_nothing():
@@ -175,7 +176,7 @@ def test_a_repeated_prompt_finds_its_full_blocks():
     stats = c.prefix_cache_stats()
     assert (stats["queried_tokens"], stats["hit_tokens"]) == (25, 8)
     assert stats["hit_rate"] == pytest.approx(8 / 25)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_peek_finds_what_lookup_finds_and_counts_nothing():
@@ -224,7 +225,7 @@ def test_freed_cached_blocks_stay_findable_until_the_pool_needs_them():
     assert c.num_free_blocks == 4 and c.is_cached(0) and not c.is_cached(2)
     assert prefill(c, "b", list(range(9))) == 8 and c.tables["b"][:2] == [0, 1]
     assert c.prefix_cache_stats()["evicted_blocks"] == 0
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_eviction_takes_plain_blocks_first_then_the_least_recently_used():
@@ -239,7 +240,7 @@ def test_eviction_takes_plain_blocks_first_then_the_least_recently_used():
     assert c.prefix_cache_stats()["evicted_blocks"] == 1 and c.prefix_cache.keys[1].tokens == (3, 3, 3, 3)
     assert c.add_sequence("y", [1] * 8 + [0]) == 4  # block 0 is still cached; its successor 1 was evicted
     assert c.add_sequence("z", [2] * 8 + [0]) == 8  # the more recently used prompt survived
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_eviction_never_touches_a_block_in_use():
@@ -280,7 +281,7 @@ def test_fill_unused_keeps_cached_free_blocks():
     c = make(4, enable_prefix_caching=True)
     prefill(c, "a", list(range(5)))
     c.free_sequence("a")
-    c.fill_unused()
+    fill_unused(c)
     assert prefill(c, "b", list(range(5))) == 4
     assert_holds(c, "b", list(range(5)))
 
@@ -295,7 +296,7 @@ def test_fork_and_prefix_caching_together():
     assert_holds(c, "p", SYSTEM + [1, 1])
     assert_holds(c, "q", SYSTEM + [2, 2])
     assert prefill(c, "r", SYSTEM + [2, 2, 5]) == 12  # q's third block, filled after the copy, is cached
-    c.check_invariants()
+    check_invariants(c)
 
 
 # --- attention over shared tables -------------------------------------------------------------------
@@ -310,7 +311,7 @@ def shared_cache(dtype: torch.dtype) -> tuple[PagedKVCache, list]:
     extend(c, "sib", SYSTEM + [1, 2, 3], [4, 5, 6])
     extend(c, "root", SYSTEM + [1, 2, 3], [9])
     prefill(c, "hit", SYSTEM + [8] * 7)
-    c.fill_unused()
+    fill_unused(c)
     assert c.cow_copies == 1 and c.prefix_cache_stats()["hit_tokens"] == 8
     ids = ["root", "sib", "hit"]
     return c, ids

@@ -9,6 +9,7 @@ import torch
 from pagedlib import testing
 from pagedlib.core.blocks import InvariantError as BlocksInvariantError
 from pagedlib.core.cache import InvariantError, PagedKVCache
+from pagedlib.testing import block_holders, block_owners, check_invariants
 
 
 def cache_with(prefix_cache: str | None, tokens: int = 9) -> PagedKVCache:
@@ -19,7 +20,7 @@ def cache_with(prefix_cache: str | None, tokens: int = 9) -> PagedKVCache:
     cache.add_sequence("a", token_ids)
     k = torch.zeros(1, tokens, 1, 2)  # [num_layers, n, kv_heads, head_dim]
     cache.append_tokens("a", k, k, token_ids=token_ids)
-    cache.check_invariants()
+    check_invariants(cache)
     return cache
 
 
@@ -33,7 +34,7 @@ def test_a_shared_block_filled_differently_breaks_invariant_5():
     cache.fork("a", "b")
     cache.seq_lens["b"] = 5  # still 2 blocks (invariant 4 holds), but block 2 holds 2 tokens for a, 1 for b
     with pytest.raises(InvariantError, match="^5: shared block"):
-        cache.check_invariants()
+        check_invariants(cache)
 
 
 @pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
@@ -41,24 +42,24 @@ def test_token_ids_that_do_not_match_the_length_break_invariant_6(prefix_cache):
     cache = cache_with(prefix_cache)
     cache.token_ids["a"].pop()
     with pytest.raises(InvariantError, match="^6: sequence 'a' has 8 token ids for 9 tokens"):
-        cache.check_invariants()
+        check_invariants(cache)
 
 
 @pytest.mark.parametrize("prefix_cache, forget, message", [
-    ("hash", lambda tree: tree.keys.clear(), "has key None, not its tokens"),
+    ("hash", lambda tree: tree.keys.clear(), r"names blocks \[0\], whose own keys differ"),
     ("radix", lambda tree: tree.node_of.clear(), "0 blocks are registered, 2 reachable from the root"),
 ])
 def test_each_prefix_cache_is_checked_by_its_own_check(prefix_cache, forget, message):
     cache = cache_with(prefix_cache)
     forget(cache.prefix_cache)
     with pytest.raises(InvariantError, match=f"^6: .*{message}"):
-        cache.check_invariants()
+        check_invariants(cache)
 
 
-def test_the_methods_are_the_testing_functions():
+def test_the_looks_inside_read_the_cache_they_are_given():
     cache = cache_with("radix")
-    assert cache.block_holders() == testing.block_holders(cache)
-    assert cache.block_owners() == ["a", "a", "a"] + [None] * 5
-    assert repr(cache) == testing.describe(cache)
-    assert cache.prefix_cache.check(cache.tables, cache.token_ids) is None
-    assert cache.manager.holders() == testing.holders(cache.manager)
+    assert block_owners(cache) == ["a", "a", "a"] + [None] * 5
+    assert block_holders(cache)[:3] == [["a"]] * 3
+    assert testing.holders(cache.manager)[:3] == [[("a", 0)], [("a", 1)], [("a", 2)]]
+    assert testing.check_radix_cache(cache.prefix_cache, cache.manager) is None
+    assert "3 used, 5 free" in repr(cache)

@@ -17,6 +17,7 @@ from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR
 from pagedlib.teach.tracer import SCENARIO, BlockTableTracer
 from pagedlib.teach.tracer_view import MAX_SEQUENCES, MAX_SLOTS, _block_card, render_html
+from pagedlib.testing import block_holders, check_invariants
 
 
 class _Node:
@@ -119,8 +120,8 @@ def assert_view_matches_cache(tracer: BlockTableTracer) -> None:
     """Everything the picture claims, checked against the cache it draws, and every sequence reads back
     its own positions (token ``p`` is written as ``k = v = p``, shared or not)."""
     cache, tree = tracer.cache, view(tracer)
-    cache.check_invariants()
-    assert holders(tree) == {b: " ".join(map(str, hs)) for b, hs in enumerate(cache.block_holders())}
+    check_invariants(cache)
+    assert holders(tree) == {b: " ".join(map(str, hs)) for b, hs in enumerate(block_holders(cache))}
     assert free_stack_shown(tree) == cache.free[::-1]  # top first
     queue = list(cache.prefix_cache.free_queue) if cache.prefix_cache is not None else []
     if cache.prefix_cache is not None:

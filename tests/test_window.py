@@ -13,6 +13,7 @@ from helpers import assert_unchanged, snapshot
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import paged_attention, sliding_window_attention, sliding_window_mask
 from pagedlib.sim.window import release_leading_blocks, release_outside_window
+from pagedlib.testing import check_invariants, fill_unused
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
@@ -41,7 +42,7 @@ def test_release_leading_blocks():
     assert cache.tables["s"] == [3, 6, 1, 0]
     assert release_leading_blocks(cache, "s", 2) == [3, 6]
     assert cache.tables["s"] == [1, 0] and cache.seq_lens["s"] == 5 and cache.free[-1] == 6
-    cache.check_invariants()
+    check_invariants(cache)
     k, _ = cache.gather("s")
     assert k[0, :, 0, 0].tolist() == [8, 9, 10, 11, 12]          # the tokens kept, in order
     snap = snapshot(cache)
@@ -67,7 +68,7 @@ def test_release_outside_window_keeps_what_the_newest_token_sees():
         assert held_total + held == n                             # positions released + held
         assert held_total % 4 == 0 and min(n, 6) <= held < 6 + 4   # the window, plus less than a block
         assert len(cache.tables[0]) <= math.ceil(6 / 4) + 1
-        cache.check_invariants()
+        check_invariants(cache)
     with pytest.raises(ValueError, match="window"):
         release_outside_window(cache, 0, 0)
     with pytest.raises(KeyError):
@@ -102,7 +103,7 @@ def test_sliding_window_attention_equals_sdpa(dtype, block_size, window):
             history[s][0].append(k[0, i])
             history[s][1].append(v[0, i])
             release_outside_window(cache, s, window)
-        cache.fill_unused(float("nan"))                           # freed and unwritten slots hold NaN
+        fill_unused(cache, float("nan"))                           # freed and unwritten slots hold NaN
         q = torch.randn(len(live), q_heads, dim, generator=gen).to(dtype)
         tables, lens = cache.block_table(live), cache.seq_lens_tensor(live)
         out = sliding_window_attention(q, *cache.layer(0), tables, lens, window)
@@ -112,7 +113,7 @@ def test_sliding_window_attention_equals_sdpa(dtype, block_size, window):
             vals = torch.stack(history[s][1], 1)
             want = sdpa_window(q[i], keys, vals, window)
             torch.testing.assert_close(out[i].float(), want, atol=TOL[dtype], rtol=TOL[dtype])
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_a_window_wider_than_the_sequence_is_plain_paged_attention():

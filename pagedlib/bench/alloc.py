@@ -42,6 +42,7 @@ from pagedlib.bench.timing import (
     write_json,
 )
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.testing import check_invariants
 from pagedlib.util import ceil_div
 
 COLUMNS = ["phase", "method", "tokens", "us_per_call", "tokens_per_s", "GB_per_s", "pct_of_copy",
@@ -129,7 +130,7 @@ def bench_decode(batch: int, *, layers: int, kv_heads: int, head_dim: int, block
         cache = fresh_cache()  # the previous pool is released here
         timing = time_fn(lambda c=cache, f=step: f(c), repeats=repeats, warmup=warmup, device=device)
         times[name] = timing.best
-        cache.check_invariants()
+        check_invariants(cache)
     cache = None
     times |= _baselines(k[:, :, None], v[:, :, None], max(start_lens) + steps, max(start_lens),
                         repeats=repeats, warmup=warmup, device=device)

@@ -289,13 +289,13 @@ def measure_steps(engine: Any, prompts: list[list[int]], new_tokens: int) -> lis
     attention reads, wall-clock seconds), for fitting ``sim.simulate.StepCost``."""
     import time
 
-    seen, run = [], engine.model.step
+    seen, run = [], engine.model.forward
 
-    def step(cache: Any, ids: list, chunks: list, **kwargs: Any) -> torch.Tensor:  # counts, then runs
-        seen.append((sum(map(len, chunks)), sum(cache.seq_lens[i] + len(c) for i, c in zip(ids, chunks))))
-        return run(cache, ids, chunks, **kwargs)
+    def forward(cache: Any, batch: Any, *args: Any) -> torch.Tensor:  # counts the planned step, then runs it
+        seen.append((batch.num_tokens, sum(batch.seq_lens)))
+        return run(cache, batch, *args)
 
-    rows, engine.model.step = [], step  # an instance attribute: the class's method is untouched
+    rows, engine.model.forward = [], forward  # an instance attribute: the class's method is untouched
     try:
         for p in prompts:
             engine.add_request(p, new_tokens)
@@ -304,7 +304,7 @@ def measure_steps(engine: Any, prompts: list[list[int]], new_tokens: int) -> lis
             engine.step()
             rows.append((*seen.pop(), time.perf_counter() - start))
     finally:
-        del engine.model.step
+        del engine.model.forward
     return rows
 
 

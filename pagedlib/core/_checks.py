@@ -32,6 +32,10 @@ class UnknownSequenceError(KeyError):
         return f"unknown sequence id {self.seq_id!r} (live sequences: [{shown}])"
 
 
+class InvariantError(AssertionError):
+    """``pagedlib.testing.check_invariants`` found the bookkeeping inconsistent (a bug, never bad input)."""
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than a call needs. Nothing was changed (``args`` survive pickle)."""
 

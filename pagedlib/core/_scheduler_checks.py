@@ -11,7 +11,7 @@ from pagedlib.util import as_int, refuse
 
 
 def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: object, watermark: object,
-              max_model_len: object) -> tuple[int, int | None, int | None, int]:
+              max_model_len: object, full_prompt_must_fit: object) -> tuple[int, int | None, int | None, int]:
     """The constructor's arguments: ``(max_num_seqs, max_num_batched_tokens, chunk cap, max_model_len)``
     as ints (the optional ones ``None`` or an int >= 1); ``cache`` an empty ``PagedKVCache``."""
     if not isinstance(cache, PagedKVCache):
@@ -21,6 +21,8 @@ def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: ob
     fraction = isinstance(watermark, numbers.Real) and not isinstance(watermark, bool)
     if not fraction or not 0 <= watermark < 1:
         raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+    if not isinstance(full_prompt_must_fit, bool):
+        raise ValueError(f"full_prompt_must_fit must be a bool, got {full_prompt_must_fit!r}")
     refuse((threshold is not None and budget is None,
             "long_prefill_token_threshold needs max_num_batched_tokens (a token budget)"))
     max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=1)
@@ -57,15 +59,42 @@ def new_request(scheduler: object, request: object) -> None:
                          f"budget of {scheduler.kv_budget_blocks}: it could never run")
 
 
+def no_open_plan(scheduler: object) -> None:
+    """Refuse a new plan, or a change to the queues, while a plan is open (neither updated nor undone)."""
+    if scheduler.plan is not None:
+        raise RuntimeError("a step's plan is open (schedule() returned it): update() it with the sampled "
+                           "tokens, or undo() it, before anything else changes the scheduler")
+
+
+def open_plan(scheduler: object, plan: object) -> None:
+    """Refuse a plan that is not the open one: taken already, undone, or never made here."""
+    if plan is None or plan is not scheduler.plan:
+        raise ValueError("plan is not this scheduler's open plan: a plan is updated or undone once, "
+                         "and only the latest schedule()'s")
+
+
+def unfinished(scheduler: object, request: object) -> None:
+    """Refuse to finish a request that is not waiting or running here."""
+    if scheduler.requests.get(getattr(request, "req_id", None)) is not request:
+        raise ValueError(f"request {getattr(request, 'req_id', request)!r} is not a waiting or running "
+                         f"request of this scheduler (finished already?)")
+
+
 def live_request(scheduler: object, req_id: object) -> Request:
-    """The unfinished request ``req_id``."""
+    """The unfinished request ``req_id``, between steps."""
+    no_open_plan(scheduler)
     request = scheduler.requests.get(req_id)
     if request is None:
         raise ValueError(f"req_id {req_id!r} is not a waiting or running request")
     return request
 
 
-def sampled(sampled: object, n: int) -> None:
-    """``update``'s tokens: one per entry of the plan's work."""
-    if len(sampled) != n:
-        raise ValueError(f"sampled must hold {n} tokens, got {len(sampled)}")
+def sampled(sampled: object, n: int) -> list[int]:
+    """``update``'s tokens as ints: one token id (>= 0) per row of the plan's work."""
+    try:
+        tokens = list(sampled)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"sampled must be a list of {n} token ids, got {type(sampled).__name__}") from None
+    if len(tokens) != n:
+        raise ValueError(f"sampled must hold {n} tokens, one per row of the plan, got {len(tokens)}")
+    return [as_int(f"sampled[{i}]", token, minimum=0) for i, token in enumerate(tokens)]

@@ -1,36 +1,39 @@
 """The block manager (nano-vllm's ``BlockManager``, vLLM's ``BlockPool``) in pure Python: free stack,
 reference counts, block tables, copy-on-write and the prefix-cache hooks. It trusts its arguments
-(``PagedKVCache`` checks them); ``reserve`` undoes itself whatever stops it, ``KeyboardInterrupt`` included.
-One thread at a time, like nano-vllm and vLLM: a caller sharing it between threads serialises the calls."""
+(``PagedKVCache`` and the ``Scheduler`` check them). One thread at a time, like nano-vllm and vLLM.
+
+Its plain path is three calls: ``allocate`` blocks off the free stack, ``reserve`` slots for new tokens
+(growing the tables), ``free_sequence``. A reservation is a record that can be undone (``undo``) until the
+K/V it reserved for are written (``commit``): the engine undoes a step whose forward pass raised."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pagedlib import testing
-from pagedlib.core._checks import OutOfBlocksError, what_for  # OutOfBlocksError: re-exported
+from pagedlib.core._checks import InvariantError, OutOfBlocksError, what_for  # noqa: F401 (re-exported)
 from pagedlib.core.prefix_cache import PrefixCache
 from pagedlib.core.radix_cache import RadixCache
-from pagedlib.testing import InvariantError  # noqa: F401 (re-exported: callers import it from here)
 from pagedlib.util import ceil_div
 
 
 @dataclass
-class Undo:
-    """What one ``reserve`` changed so far, so that it can put everything back."""
+class Reservation:
+    """What one ``reserve`` did: the new slots and the block copies they need, and how to undo it."""
 
-    cow_copies: int                                          # the counter before the call
-    taken: list[int] = field(default_factory=list)           # blocks allocated, each held once
-    # each sequence changed, in order: (seq_id, start, table[start:], length) before the call, start
-    # its last block's index: a reserve changes a table only from its last block on (copy-on-write, new
-    # blocks, a swapped duplicate), so no copy of the whole table is needed
+    slots: list[list[int]] = field(default_factory=list)       # each sequence's new slots, token by token
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) blocks: copy-on-write
+    registered: list[int] = field(default_factory=list)        # blocks made findable, K/V not yet written
+    # to undo it
+    taken: list[int] = field(default_factory=list)             # blocks allocated, each held once
+    # each sequence changed: (seq_id, start, table[start:], length) before the call; a reserve changes a
+    # table from its last block on only (start: that block's index), so no copy of the whole table is kept
     sequences: list[tuple[Hashable, int, list[int], int]] = field(default_factory=list)
-    # shared blocks copied away: count before
-    copied: dict[int, int] = field(default_factory=dict)
-    # (duplicate, tree block) in a table
-    swapped: list[tuple[int, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)          # shared blocks copied away: one hold each
+    # (seq_id, index, duplicate, tree block): the radix tree holds this content already; its block, held
+    # from now on, replaces the duplicate once the duplicate's K/V are written (commit)
+    swaps: list[tuple[Hashable, int, int, int]] = field(default_factory=list)
 
 
 class BlockManager:
@@ -59,9 +62,14 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Plain free blocks plus cached blocks nobody holds (evicted when needed)."""
+        return len(self.free) + self.num_cached_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks whose K/V a prefix-cache lookup can still find."""
         if self.prefix_cache is None:
-            return len(self.free)
-        return len(self.free) + len(self.prefix_cache.free_queue)
+            return 0
+        return len(self.prefix_cache.free_queue)
 
     def allocate(self, n: int, what: str = "", taken: list[int] | None = None) -> list[int]:
         """Take ``n`` blocks, each then held once: off the top of the free stack first, then the least
@@ -104,6 +112,172 @@ class BlockManager:
         self.free.extend(reversed(plain))
         return freed[::-1]
 
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
+        """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching). Returns the
+        tokens found: a multiple of ``block_size``, at most ``len(prompt) - 1``."""
+        found = []
+        if self.prefix_cache is not None and prompt:
+            found = self.prefix_cache.lookup(prompt)
+        self.share(found)
+        length = len(found) * self.block_size
+        self.tables[seq_id] = found
+        self.seq_lens[seq_id] = length
+        self.token_ids[seq_id] = list(prompt[:length])  # empty without prefix caching
+        return length
+
+    def share_partial_block(self, seq_id: Hashable, prompt: Sequence[int],
+                            unwritten: Sequence[int] = ()) -> list[tuple[int, int]]:
+        """After ``add_sequence``, with the radix cache: also take a block for a copy of the cached block
+        that continues the blocks found furthest, and start inside it (any number of tokens found, up to
+        ``len(prompt) - 1``). Returns the ``(source, copy)`` pair to copy before the copy is read (none if
+        no block is free). A block in ``unwritten`` (registered, its K/V not yet written) is no source."""
+        length = self.seq_lens[seq_id]
+        if not isinstance(self.prefix_cache, RadixCache):
+            return []
+        source, extra = self.prefix_cache.partial_match(prompt, self.tables[seq_id], unwritten)
+        if extra == 0:
+            return []
+        self.share([source])  # held, so not evicted to make room for its own copy
+        try:
+            if self.num_free_blocks == 0:
+                return []
+            copy = self.allocate(1)[0]
+        finally:
+            self.release([source])
+        self.tables[seq_id].append(copy)
+        self.seq_lens[seq_id] += extra
+        self.token_ids[seq_id] += prompt[length:length + extra]
+        self.prefix_cache.hit_tokens += extra
+        return [(source, copy)]
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """A new sequence sharing every block of ``parent_id``: nothing is copied until one of them writes."""
+        self.share(self.tables[parent_id])
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.seq_lens[child_id] = self.seq_lens[parent_id]
+        self.token_ids[child_id] = list(self.token_ids[parent_id])
+
+    def free_sequence(self, seq_id: Hashable) -> list[int]:
+        """Forget a sequence. Returns the blocks nobody holds any more, in table order."""
+        del self.seq_lens[seq_id]
+        del self.token_ids[seq_id]
+        return self.release(self.tables.pop(seq_id))
+
+    def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
+                token_ids: Sequence[int] | None = None) -> Reservation:
+        """Take slots for ``counts[i]`` more tokens of each ``seq_ids[i]``, all or nothing (if anything
+        raises, ``KeyboardInterrupt`` included, nothing changed). A sequence's table then reads
+
+            | held (full blocks) | last (copied if shared) | new blocks |
+
+        and token ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``. With prefix
+        caching the blocks the new tokens fill become findable at once by their ``token_ids``, as vLLM 0.32.0
+        registers a block when it schedules it: the caller writes their K/V (after making the ``copies``)
+        before anything reads them, then ``commit``s, or ``undo``es the reservation."""
+        record = Reservation()
+        copy = self.copy_on_write(seq_ids, counts)
+        needed = sum(copy)
+        for seq_id, count in zip(seq_ids, counts):
+            needed += ceil_div(self.seq_lens[seq_id] + count, self.block_size) - len(self.tables[seq_id])
+        try:
+            # OutOfBlocksError before anything is taken
+            self.allocate(needed, what_for(seq_ids, counts), record.taken)
+            new_blocks = iter(record.taken)
+            first = 0  # where this sequence's token ids start in ``token_ids``
+            for seq_id, count, copy_last in zip(seq_ids, counts, copy):
+                ids = None
+                if self.prefix_cache is not None:  # then token ids come with every append
+                    ids = token_ids[first:first + count]  # type: ignore[index]
+                    first += count
+                record.slots.append(self._grow(seq_id, count, copy_last, ids, new_blocks, record))
+        except BaseException:
+            self.undo(record)
+            raise
+        return record
+
+    def _grow(self, seq_id: Hashable, count: int, copy_last: bool, ids: Sequence[int] | None,
+              new_blocks: Sequence[int], record: Reservation) -> list[int]:
+        """Append ``count`` tokens to one sequence (blocks from ``new_blocks``), noting each change in
+        ``record``; register the blocks they fill. Returns the new tokens' slots."""
+        block_size = self.block_size
+        table = self.tables[seq_id]
+        length = self.seq_lens[seq_id]
+        start = max(len(table) - 1, 0)
+        record.sequences.append((seq_id, start, table[start:], length))
+        if copy_last:  # the other holders keep the shared last block; this sequence writes a copy
+            shared = table[-1]
+            table[-1] = next(new_blocks)  # type: ignore[call-overload]
+            record.copies.append((shared, table[-1]))
+            record.released.append(shared)
+            self.release([shared])
+            self.cow_copies += 1
+        while len(table) < ceil_div(length + count, block_size):
+            table.append(next(new_blocks))  # type: ignore[call-overload]
+        self.seq_lens[seq_id] = length + count
+        if ids is not None:
+            self.token_ids[seq_id] += ids
+            self._register(seq_id, length, record)
+        return [table[p // block_size] * block_size + p % block_size for p in range(length, length + count)]
+
+    def _register(self, seq_id: Hashable, length: int, record: Reservation) -> None:
+        """Make the blocks of ``seq_id`` filled past ``length`` findable by their token ids. A block whose
+        content the radix tree holds already is a duplicate: the tree's block replaces it at ``commit``."""
+        block_size = self.block_size
+        table = self.tables[seq_id]
+        tokens = self.token_ids[seq_id]
+        first = length // block_size
+        parent = None  # the block the cache knows for the previous index
+        if first > 0:
+            parent = table[first - 1]
+        for index in range(first, self.seq_lens[seq_id] // block_size):
+            page = tokens[index * block_size:(index + 1) * block_size]
+            found = self.prefix_cache.register(table[index], parent, page)  # type: ignore[union-attr]
+            if found == table[index]:
+                record.registered.append(found)
+            else:
+                self.share([found])  # held: not evicted before commit puts it in the table
+                record.swaps.append((seq_id, index, table[index], found))
+            parent = found
+
+    def commit(self, record: Reservation) -> None:
+        """The K/V of ``record``'s slots are written: each duplicate the radix tree found gives way to the
+        tree's block (SGLang frees a duplicate after its forward pass too). ``record`` is done with."""
+        for seq_id, index, duplicate, found in record.swaps:
+            self.tables[seq_id][index] = found  # held since reserve
+            self.release([duplicate])
+        record.swaps.clear()
+
+    def undo(self, record: Reservation) -> None:
+        """Put back everything ``record`` did (the last reservation not yet committed); cached blocks
+        evicted to make room come back as plain free blocks."""
+        self.release([found for _, _, _, found in record.swaps])
+        record.swaps.clear()
+        for seq_id, start, tail, length in reversed(record.sequences):
+            self.tables[seq_id][start:] = tail
+            self.seq_lens[seq_id] = length
+            del self.token_ids[seq_id][length:]
+            if self.prefix_cache is not None and length % self.block_size:
+                self.prefix_cache.forget(tail[0])  # its last block: partly filled again
+        if self.prefix_cache is not None:
+            for block in record.taken:  # registered just now, or evicted (gone already)
+                self.prefix_cache.forget(block)
+        for block in record.taken:  # each held once, by this call
+            self.ref_counts[block] = 0
+        self.free.extend(reversed(record.taken))  # as they were: taken[0] on top
+        self.hold_again(record.released)
+        self.cow_copies -= len(record.released)
+        record.sequences.clear()
+        record.taken.clear()
+        record.released.clear()
+
+    def hold_again(self, blocks: Sequence[int]) -> None:
+        """One hold more on each of ``blocks``, wherever it went since it was released (still held, on the
+        free stack, or waiting in the prefix cache's queue)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0 and block in self.free:
+                self.free.remove(block)
+            self.share([block])
+
     def copy_on_write(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> list[bool]:
         """Which sequences must copy their last block before appending: it is partly filled and another table
         holds it. Of several sharers appending at once, the last one writes in place."""
@@ -120,169 +294,6 @@ class BlockManager:
             plan.append(must_copy)
         return plan
 
-    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
-        """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching). Returns the
-        tokens found: a multiple of ``block_size``, at most ``len(prompt) - 1``."""
-        found = []
-        if self.prefix_cache is not None and prompt:
-            found = self.prefix_cache.lookup(prompt)
-        self.share(found)
-        length = len(found) * self.block_size
-        self.tables[seq_id] = found
-        self.seq_lens[seq_id] = length
-        self.token_ids[seq_id] = list(prompt[:length])  # empty without prefix caching
-        return length
-
-    def share_partial_block(self, seq_id: Hashable, prompt: Sequence[int],
-                            copy: Callable[[list], None] | None = None) -> int:
-        """After ``add_sequence``, with the radix cache: also hold a copy of the cached block that continues
-        the blocks found furthest (``copy([(source, copy_block)])`` copies its K/V; no copy if no block is
-        free), and start inside it. Returns the tokens found, now any number up to ``len(prompt) - 1``.
-        If the copy raises, the sequence is as ``add_sequence`` left it."""
-        length = self.seq_lens[seq_id]
-        if not isinstance(self.prefix_cache, RadixCache):
-            return length
-        source, extra = self.prefix_cache.partial_match(prompt, self.tables[seq_id])
-        if extra == 0:
-            return length
-        self.share([source])  # held, so not evicted to make room for its own copy
-        taken: list[int] = []
-        try:
-            if self.num_free_blocks == 0:
-                return length
-            self.allocate(1, taken=taken)
-            if copy is not None:
-                copy([(source, taken[0])])
-        except BaseException:
-            self.release(taken)
-            raise
-        finally:
-            self.release([source])
-        self.tables[seq_id] += taken
-        self.seq_lens[seq_id] += extra
-        self.token_ids[seq_id] += prompt[length:length + extra]
-        self.prefix_cache.hit_tokens += extra
-        return length + extra
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """A new sequence sharing every block of ``parent_id``: nothing is copied until one of them writes."""
-        self.share(self.tables[parent_id])
-        self.tables[child_id] = list(self.tables[parent_id])
-        self.seq_lens[child_id] = self.seq_lens[parent_id]
-        self.token_ids[child_id] = list(self.token_ids[parent_id])
-
-    def free_sequence(self, seq_id: Hashable) -> list[int]:
-        """Forget a sequence. Returns the blocks nobody holds any more, in table order."""
-        del self.seq_lens[seq_id]
-        del self.token_ids[seq_id]
-        return self.release(self.tables.pop(seq_id))
-
-    def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
-                token_ids: Sequence[int] | None = None,
-                write: Callable[[list, list], None] | None = None) -> tuple[list[list[int]], list]:
-        """Append ``counts[i]`` tokens to each ``seq_ids[i]``, all or nothing. A sequence's table then reads
-
-            | held (full blocks) | last (copied if shared) | new blocks |
-
-        and token ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``. Returns each
-        sequence's new slots and the ``(source, copy)`` block copies to make before writing. ``write(slots,
-        copies)`` makes them and writes the K/V; then, with prefix caching, the blocks just filled become
-        findable by their ``token_ids`` (a block the radix tree already holds replaces its duplicate). If
-        anything raises, ``KeyboardInterrupt`` included, every change is undone."""
-        copy = self.copy_on_write(seq_ids, counts)
-        needed = sum(copy)
-        for seq_id, count in zip(seq_ids, counts):
-            blocks_after = ceil_div(self.seq_lens[seq_id] + count, self.block_size)
-            needed += blocks_after - len(self.tables[seq_id])
-        undo = Undo(cow_copies=self.cow_copies)
-        try:
-            # OutOfBlocksError before anything is taken
-            self.allocate(needed, what_for(seq_ids, counts), undo.taken)
-            slots, copies = self._commit(seq_ids, counts, copy, token_ids, undo)
-            if write is not None:
-                write(slots, copies)
-            if self.prefix_cache is not None:
-                self._register(undo)
-        except BaseException:
-            self._undo(undo)
-            raise
-        return slots, copies
-
-    def _commit(self, seq_ids: Sequence[Hashable], counts: Sequence[int], copy: list[bool],
-                token_ids: Sequence[int] | None, undo: Undo) -> tuple[list, list]:
-        """Grow the tables with ``undo.taken`` and advance the lengths, noting each change in ``undo``."""
-        block_size = self.block_size
-        new_blocks = iter(undo.taken)
-        slots = []
-        copies = []
-        first_token = 0  # where this sequence's token ids start in ``token_ids``
-        for seq_id, count, copy_last in zip(seq_ids, counts, copy):
-            table = self.tables[seq_id]
-            length = self.seq_lens[seq_id]
-            start = max(len(table) - 1, 0)
-            undo.sequences.append((seq_id, start, table[start:], length))
-            # the other holders keep the shared last block; this sequence writes a copy
-            if copy_last:
-                shared = table[-1]
-                undo.copied.setdefault(shared, self.ref_counts[shared])
-                table[-1] = next(new_blocks)
-                copies.append((shared, table[-1]))
-                self.release([shared])
-                self.cow_copies += 1
-            while len(table) < ceil_div(length + count, block_size):
-                table.append(next(new_blocks))
-            slots.append([table[p // block_size] * block_size + p % block_size
-                          for p in range(length, length + count)])
-            self.seq_lens[seq_id] = length + count
-            if self.prefix_cache is not None:  # then token_ids come with every append
-                self.token_ids[seq_id] += token_ids[first_token:first_token + count]  # type: ignore
-                first_token += count
-        return slots, copies
-
-    def _register(self, undo: Undo) -> None:
-        """Make the blocks that ``undo``'s sequences just filled findable by their token ids."""
-        block_size = self.block_size
-        for seq_id, _, _, length in undo.sequences:
-            table = self.tables[seq_id]
-            tokens = self.token_ids[seq_id]
-            for index in range(length // block_size, self.seq_lens[seq_id] // block_size):
-                parent = None
-                if index > 0:
-                    parent = table[index - 1]
-                page = tokens[index * block_size:(index + 1) * block_size]
-                found = self.prefix_cache.register(table[index], parent, page)  # type: ignore
-                # the tree holds this content already: hold its block instead
-                if found != table[index]:
-                    self.share([found])
-                    undo.swapped.append((table[index], found))
-                    self.release([table[index]])
-                    table[index] = found
-
-    def _undo(self, undo: Undo) -> None:
-        """Put back everything ``undo`` noted; cached blocks evicted on the way come back as plain free."""
-        for duplicate, found in reversed(undo.swapped):
-            self.free.remove(duplicate)
-            self.ref_counts[duplicate] = 1
-            self.ref_counts[found] -= 1
-            # it was a free cached block: back in the queue, not "used now"
-            if self.ref_counts[found] == 0:
-                self.prefix_cache.free_queue[found] = None  # type: ignore[union-attr]
-        for seq_id, start, tail, length in undo.sequences:
-            self.tables[seq_id][start:] = tail
-            self.seq_lens[seq_id] = length
-            del self.token_ids[seq_id][length:]
-            if self.prefix_cache is not None and length % self.block_size:
-                self.prefix_cache.forget(tail[0])  # its last block: partly filled again
-        if self.prefix_cache is not None:
-            for block in undo.taken:  # registered just now, or evicted (gone already)
-                self.prefix_cache.forget(block)
-        for block in undo.taken:  # each held once, by this call
-            self.ref_counts[block] = 0
-        self.free.extend(reversed(undo.taken))  # as they were: taken[0] on top
-        for block, count in undo.copied.items():  # the copied blocks get their holders back
-            self.share([block] * (count - self.ref_counts[block]))
-        self.cow_copies = undo.cow_copies
-
     def slots(self, seq_id: Hashable) -> list[int]:
         """Flat slot ids of every token of ``seq_id``, in order."""
         block_size = self.block_size
@@ -290,9 +301,3 @@ class BlockManager:
                  for block in self.tables[seq_id]
                  for offset in range(block_size)]
         return every[:self.seq_lens[seq_id]]
-
-    # looks inside, for tests and widgets: functions of ``pagedlib.testing`` as methods
-    holders = testing.holders  # (sequence, logical index) of every table entry naming each block
-    check_invariants = testing.check_invariants  # InvariantError naming the first broken invariant
-
-

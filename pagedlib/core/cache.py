@@ -5,19 +5,21 @@ and vLLM's block managers: a caller that uses one cache from several threads ser
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from pagedlib import testing
 from pagedlib.core import _checks as checks
 from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
 
 # re-exported: callers import the errors from here
-from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError  # noqa: F401
+from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError, Reservation  # noqa: F401
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
+from pagedlib.core.prefix_cache import lookup_stats
 
 
 class Slot(NamedTuple):
@@ -25,6 +27,24 @@ class Slot(NamedTuple):
 
     block: int
     offset: int
+
+
+@dataclass
+class Batch:
+    """The rows of one forward pass, sequence after sequence: what the model reads of a step (vLLM's
+    ``SchedulerOutput``, flattened). Every slot is reserved already; the tables and lengths include the new
+    tokens. The model makes the ``copies`` first, then writes each new token's K/V into its slot."""
+
+    seq_ids: list[Hashable]
+    token_ids: list[list[int] | None]  # each sequence's new tokens (None: a simulated request's, unknown)
+    slots: list[list[int]]            # each new token's slot: block * block_size + offset
+    block_tables: list[list[int]]     # each sequence's table after the step
+    seq_lens: list[int]               # tokens each sequence holds after the step
+    copies: list[tuple[int, int]]     # (source, destination) blocks to copy before any K/V is written
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.slots))
 
 
 class PagedKVCache:
@@ -82,23 +102,41 @@ class PagedKVCache:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    # figures read off the cache (notebooks 02, 07): functions of ``pagedlib.testing`` as properties
-    num_tokens = property(testing.num_tokens)  # tokens of every sequence
-    num_allocated_slots = property(testing.num_allocated_slots)  # slots of every block a table names
-    utilization = property(testing.utilization)  # tokens per allocated slot (1.0 with none)
+    @property
+    def num_cached_free_blocks(self) -> int:  # free, and still findable by a prefix-cache lookup
+        return self.manager.num_cached_free_blocks
+
+    # figures read off the cache (notebooks 02, 07)
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held by every sequence."""
+        return sum(self.seq_lens.values())
+
+    @property
+    def num_allocated_slots(self) -> int:
+        """Slots of every block a table names (a shared block once per table)."""
+        return sum(len(table) for table in self.tables.values()) * self.block_size
+
+    @property
+    def utilization(self) -> float:
+        """Tokens per allocated slot (1.0 with none); ``1 - utilization``: internal fragmentation."""
+        if self.num_allocated_slots == 0:
+            return 1.0
+        return self.num_tokens / self.num_allocated_slots
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
-        """Checked ``BlockManager.add_sequence``; the caller appends K/V for the prompt tokens not found. If
-        the radix cache's partial-block copy is interrupted, the sequence is not added."""
+        """Checked ``BlockManager.add_sequence``: the tokens found; the caller appends K/V for the prompt
+        tokens not found. The radix cache's partial-block copy is made at once; if it is interrupted, the
+        sequence is not added."""
         checks.seq(self, seq_id, new=True)
         prompt = checks.token_ids(self, "prompt_token_ids", prompt_token_ids) or []
         self.manager.add_sequence(seq_id, prompt)
         try:
-            # radix only
-            return self.manager.share_partial_block(seq_id, prompt, self.pool.copy_blocks)
+            self.pool.copy_blocks(self.manager.share_partial_block(seq_id, prompt))  # radix only
         except BaseException:
             self.manager.free_sequence(seq_id)
             raise
+        return self.seq_lens[seq_id]
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Checked ``BlockManager.fork``: parallel sampling, beam search (notebook 06)."""
@@ -133,32 +171,54 @@ class PagedKVCache:
         return [Slot(*divmod(slot, self.block_size)) for slot in slots]
 
     def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
-                token_ids: Sequence[int] | None = None,
-                write: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
-        """``BlockManager.reserve``: each sequence's new slots, copy-on-write copies made. ``write(slots)``
-        writes the K/V (the model: layer by layer); if it raises, the reservation is undone. Blocks filled
-        become findable by prefix caching once ``write`` returns (without ``write``: at once)."""
+                token_ids: Sequence[int] | None = None) -> list[list[int]]:
+        """Checked ``BlockManager.reserve``: each sequence's new slots, copy-on-write copies made, the blocks
+        they fill findable at once (the caller writes their K/V before anything reads them)."""
         ids, counts, tokens = checks.reservation(self, seq_ids, counts, token_ids)
+        record = self.manager.reserve(ids, counts, tokens)
+        try:
+            self.pool.copy_blocks(record.copies)
+        except BaseException:
+            self.manager.undo(record)
+            raise
+        self.manager.commit(record)
+        return record.slots
 
-        def copy_then_write(slots, copies):  # copies: (source, copy) block pairs
-            self.pool.copy_blocks(copies)
-            if write is not None:
-                write(slots)
+    @contextmanager
+    def reserving(self, seq_ids: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> Iterator[Batch]:
+        """A one-off step's ``Batch`` (an engine's come from its scheduler): slots for ``chunks[i]`` more
+        tokens of each ``seq_ids[i]``, checked, all or nothing. Committed when the ``with`` block ends, undone
+        if it raises (an interrupted forward pass leaves nothing findable without its K/V)."""
+        counts = [len(chunk) for chunk in chunks]
+        tokens = [token for chunk in chunks for token in chunk]
+        ids, counts, tokens = checks.reservation(self, seq_ids, counts, tokens)
+        record = self.manager.reserve(ids, counts, tokens)
+        try:
+            yield self.batch(ids, [list(chunk) for chunk in chunks], record.slots, record.copies)
+        except BaseException:
+            self.manager.undo(record)
+            raise
+        self.manager.commit(record)
 
-        return self.manager.reserve(ids, counts, tokens, copy_then_write)[0]
+    def batch(self, seq_ids: list[Hashable], token_ids: list[list[int] | None], slots: list[list[int]],
+              copies: list[tuple[int, int]]) -> Batch:
+        """The ``Batch`` of new tokens already reserved (``slots``), with the tables and lengths now."""
+        tables = [list(self.tables[seq_id]) for seq_id in seq_ids]
+        lens = [self.seq_lens[seq_id] for seq_id in seq_ids]
+        return Batch(list(seq_ids), token_ids, slots, tables, lens, copies)
 
     def _append(self, seq_ids: list, counts: list[int], k: torch.Tensor, v: torch.Tensor,
                 token_ids: list[int] | None) -> list[int]:
-        """Reserve, then copy and write K/V inside the reservation's all-or-nothing scope: the flat slots."""
-        flat: list[int] = []
-
-        def write(slots, copies):  # as reserve's, with the pool's K/V written here
-            for sequence_slots in slots:
-                flat.extend(sequence_slots)
-            self.pool.copy_blocks(copies)
+        """Reserve, copy and write K/V, all or nothing: the flat slots."""
+        record = self.manager.reserve(seq_ids, counts, token_ids)
+        flat = [slot for sequence_slots in record.slots for slot in sequence_slots]
+        try:
+            self.pool.copy_blocks(record.copies)
             self.pool.write(flat, k, v)
-
-        self.manager.reserve(seq_ids, counts, token_ids, write)
+        except BaseException:
+            self.manager.undo(record)
+            raise
+        self.manager.commit(record)
         return flat
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
@@ -209,23 +269,40 @@ class PagedKVCache:
         return self.prefix_cache.is_cached(block_id)
 
     def prefix_cache_stats(self) -> dict[str, float]:
-        """The prefix cache's lookup counters and hit rate (``testing.prefix_cache_stats``); all 0 when
-        prefix caching is off."""
-        return testing.prefix_cache_stats(self.prefix_cache)
+        """The prefix cache's lookup counters and hit rate (all 0 when prefix caching is off)."""
+        if self.prefix_cache is None:
+            return lookup_stats(None)
+        return self.prefix_cache.stats()
 
     def sequence_utilization(self, seq_id: Hashable) -> float:
-        """Utilization of one sequence's blocks (1.0 for an empty sequence): ``testing``'s."""
+        """Tokens per slot of one sequence's blocks (1.0 for an empty sequence)."""
         checks.seq(self, seq_id)
-        return testing.sequence_utilization(self, seq_id)
+        allocated = len(self.tables[seq_id]) * self.block_size
+        if allocated == 0:
+            return 1.0
+        return self.seq_lens[seq_id] / allocated
 
-    def check_invariants(self) -> None:
-        """``testing.check_invariants`` of the block manager: ``InvariantError`` naming the first broken
-        invariant."""
-        testing.check_invariants(self.manager)
-
-    # looks inside, for tests, notebook checks and widgets: functions of ``pagedlib.testing`` as methods
-    block_holders = testing.block_holders  # every sequence holding each block, in table order
-    block_owners = testing.block_owners  # the first sequence holding each block, None for a free one
-    fill_unused = testing.fill_unused  # NaN (or ``value``) into every slot that holds no token
-    state_diff = testing.state_diff  # the attributes in which the cache differs from ``before``
-    __repr__ = testing.describe  # sizes, blocks, tokens, the first eight tables
+    def __repr__(self) -> str:
+        """Sizes; blocks used, free (cached among them), shared and copied; tokens; the first 8 tables."""
+        dtype = str(self.dtype).replace("torch.", "")
+        blocks = f"  blocks: {self.num_used_blocks} used, {self.num_free_blocks} free"
+        if self.prefix_cache is not None:
+            blocks += f", {self.num_cached_free_blocks} of them cached"
+        if self.free:
+            blocks += f" (top of stack: {self.free[-1]})"
+        else:
+            blocks += " (stack empty)"
+        shared = sum(count > 1 for count in self.ref_counts)
+        if shared or self.cow_copies:
+            blocks += f", {shared} shared, {self.cow_copies} copied"
+        lines = [f"PagedKVCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
+                 f"block_size={self.block_size}, kv_heads={self.kv_heads}, "
+                 f"head_dim={self.head_dim}, dtype={dtype}, device={self.device})",
+                 blocks,
+                 f"  tokens: {self.num_tokens} in {self.num_allocated_slots} allocated slots "
+                 f"(utilization {self.utilization:.0%})"]
+        for seq_id, table in list(self.tables.items())[:8]:
+            lines.append(f"  seq {seq_id!r}: len {self.seq_lens[seq_id]}, table {table}")
+        if len(self.tables) > 8:
+            lines.append(f"  ... and {len(self.tables) - 8} more sequences")
+        return "\n".join(lines)

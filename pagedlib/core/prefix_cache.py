@@ -8,7 +8,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedlib import testing
 from pagedlib.core import _checks as checks
 from pagedlib.util import as_int
 
@@ -50,12 +49,13 @@ class BlockKey:
 
 @dataclass
 class PrefixCache:
-    """``keys[b]``: the key of full block ``b``; ``blocks[key]``: the block registered for it (the first that
-    held it); ``free_queue``: registered blocks nobody holds, least recently freed first (evicted next)."""
+    """``keys[b]``: the key of full block ``b``; ``blocks[key]``: the blocks registered with it, oldest first
+    (a lookup finds the first; a block computed twice keeps its key, as in vLLM 0.32.0, whose tables only
+    grow); ``free_queue``: registered blocks nobody holds, least recently freed first (evicted next)."""
 
     block_size: int
     keys: dict[int, BlockKey] = field(default_factory=dict)
-    blocks: dict[BlockKey, int] = field(default_factory=dict)
+    blocks: dict[BlockKey, dict[int, None]] = field(default_factory=dict)  # an ordered set per key
     free_queue: OrderedDict[int, None] = field(default_factory=OrderedDict)
     queried_tokens: int = 0
     hit_tokens: int = 0
@@ -72,11 +72,12 @@ class PrefixCache:
         parent = None
         for index in range((len(token_ids) - 1) // block_size):
             page = tuple(token_ids[index * block_size:(index + 1) * block_size])
-            block = self.blocks.get(BlockKey(parent, page))
-            if block is None:
+            key = BlockKey(parent, page)
+            holders = self.blocks.get(key)
+            if not holders:
                 break
-            found.append(block)
-            parent = self.keys[block]
+            found.append(next(iter(holders)))
+            parent = key
         return found
 
     def lookup(self, token_ids: Sequence[int]) -> list[int]:
@@ -87,40 +88,60 @@ class PrefixCache:
         return found
 
     def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
-        """``block`` just became full with ``tokens`` after block ``parent``: it gets its key and is found
-        by it, unless another block holds the same content (vLLM keeps such a duplicate): ``block``."""
+        """``block`` just became full with ``tokens`` after block ``parent``: it gets its key and can be
+        found by it (after any block registered with the same key before it). Returns ``block``."""
         checks.page(tokens, self.block_size)
         parent_key = None
         if parent is not None:
             parent_key = self.keys[parent]
         key = BlockKey(parent_key, tuple(tokens))
         self.keys[block] = key
-        self.blocks.setdefault(key, block)
+        self.blocks.setdefault(key, {})[block] = None
         return block
 
     def is_cached(self, block: int) -> bool:
-        """``block`` holds content that a lookup can find."""
-        return self.blocks.get(self.keys.get(block)) == block
+        """``block`` holds content that a lookup can find (first or after its elders)."""
+        return block in self.keys
 
     def release(self, block: int) -> bool:
-        """Nobody holds ``block``: a cached one joins ``free_queue`` (``True``), another forgets its key."""
+        """Nobody holds ``block``: a registered one joins the back of ``free_queue`` (``True``)."""
         if self.is_cached(block):
             self.free_queue[block] = None
             return True
-        self.forget(block)
         return False
 
     def forget(self, block: int) -> None:
-        """``block``'s content is gone (it was not cached, or a write into it was rolled back)."""
+        """``block``'s content is gone (evicted, or a write into it rolled back): it loses its key."""
         key = self.keys.pop(block, None)
-        if key is not None and self.blocks.get(key) == block:
+        if key is None:
+            return
+        holders = self.blocks[key]
+        del holders[block]
+        if not holders:
             del self.blocks[key]
 
     def evict(self) -> int:
         """Take the least recently used block of ``free_queue`` for new content; it forgets its key."""
         block, _ = self.free_queue.popitem(last=False)
-        del self.blocks[self.keys.pop(block)]
+        self.forget(block)
         self.evicted_blocks += 1
         return block
 
-    stats = testing.prefix_cache_stats  # the lookup counters, hit rate and findable blocks
+    def stats(self) -> dict[str, float]:
+        """The lookup counters, the hit rate and the blocks a lookup can find now."""
+        return lookup_stats(self, cached_blocks=len(self.keys))
+
+
+def lookup_stats(prefix_cache: object, **more: int) -> dict[str, float]:
+    """A prefix cache's counters: prompt tokens looked up, tokens found, the hit rate, blocks evicted, and
+    ``more``. ``None`` (prefix caching off): every count 0."""
+    if prefix_cache is None:
+        return {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evicted_blocks": 0,
+                "cached_blocks": 0}
+    rate = 0.0
+    if prefix_cache.queried_tokens:  # type: ignore[attr-defined]
+        rate = prefix_cache.hit_tokens / prefix_cache.queried_tokens  # type: ignore[attr-defined]
+    return {"queried_tokens": prefix_cache.queried_tokens,  # type: ignore[attr-defined]
+            "hit_tokens": prefix_cache.hit_tokens,  # type: ignore[attr-defined]
+            "hit_rate": rate,
+            "evicted_blocks": prefix_cache.evicted_blocks, **more}  # type: ignore[attr-defined]

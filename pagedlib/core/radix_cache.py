@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from pagedlib import testing
 from pagedlib.core import _checks as checks
+from pagedlib.core.prefix_cache import lookup_stats
 from pagedlib.util import as_int
 
 
@@ -85,9 +85,11 @@ class RadixCache:
         self.hit_tokens += len(found) * self.block_size
         return found
 
-    def partial_match(self, token_ids: Sequence[int], found: list[int]) -> tuple[int, int]:
+    def partial_match(self, token_ids: Sequence[int], found: list[int],
+                      unwritten: Collection[int] = ()) -> tuple[int, int]:
         """The cached block whose first tokens continue ``found`` (the blocks ``lookup`` gave for
-        ``token_ids``) furthest, and how many: a copy of it saves computing them. ``(-1, 0)`` if none."""
+        ``token_ids``) furthest, and how many: a copy of it saves computing them. ``(-1, 0)`` if none. A
+        block in ``unwritten`` (registered in this step, its K/V not yet computed) is never a source."""
         block_size = self.block_size
         at = len(found) * block_size
         want = list(token_ids[at:min(at + block_size, len(token_ids) - 1)])
@@ -107,7 +109,7 @@ class RadixCache:
             same = 0
             while same < len(want) and page[same] == want[same]:
                 same += 1
-            if same > 0:
+            if same > 0 and owner.blocks[position] not in unwritten:
                 scores.append((same, owner.blocks[position]))
         tokens, block = max(scores)
         return block, tokens
@@ -234,10 +236,6 @@ class RadixCache:
         if node is not self.root and not node.children and node.blocks[-1] in self.free_queue:
             heapq.heappush(self.leaves, (node.last_used, id(node), node))
 
-    def __eq__(self, other: object) -> bool:  # what PagedKVCache.state_diff compares
-        if not isinstance(other, RadixCache):
-            return False
-        return testing.radix_state(self) == testing.radix_state(other)
-
-    check = testing.check_radix_cache  # the first broken invariant of the tree, or None (for tests)
-    stats = testing.prefix_cache_stats  # the lookup counters, hit rate, blocks and nodes
+    def stats(self) -> dict[str, float]:
+        """The lookup counters, the hit rate, the blocks a lookup can find now and the tree's nodes."""
+        return lookup_stats(self, cached_blocks=len(self.node_of), nodes=len(set(self.node_of.values())))

@@ -1,14 +1,18 @@
 """The step scheduler: continuous batching over a ``PagedKVCache`` under a token budget per step, like
-vLLM V1's ``Scheduler`` and nano-vllm's. With no budget (``max_num_batched_tokens=None``) a prompt runs
-whole in one step (notebooks 07, 08); with one, prompts are cut into chunks (notebook 09). One thread."""
+vLLM V1's ``Scheduler`` and nano-vllm's. It decides what each step computes and **allocates** for it:
+blocks, slots, prefix-cache hits, all before the model runs, which only reads the plan (``StepPlan.batch``).
+With no budget (``max_num_batched_tokens=None``) a prompt runs whole in one step (notebooks 07, 08); with
+one, prompts are cut into chunks (notebook 09). One thread."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedlib.core import _checks as cache_checks
 from pagedlib.core import _scheduler_checks as checks
-from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.blocks import Reservation
+from pagedlib.core.cache import Batch, PagedKVCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.core.request import Request, Status
 from pagedlib.util import ceil_div
@@ -16,49 +20,56 @@ from pagedlib.util import ceil_div
 
 @dataclass
 class StepPlan:
-    """What one step runs: the scheduler's decisions, before the model runs them."""
+    """What one step runs: the scheduler's decisions and allocations, before the model runs them."""
 
-    # running requests that feed their last sampled token: one new token each
-    decode: list[Request] = field(default_factory=list)
-    # (request, new tokens): a prompt, a chunk of one, or a readmitted request's tokens
-    prefill: list[tuple[Request, int]] = field(default_factory=list)
-    # requests that lost their blocks this step; now first in the queue
-    preempted: list[Request] = field(default_factory=list)
-    # a waiting request was refused for lack of memory
-    blocked: bool = False
-    # tokens this step's admissions found in the prefix cache
-    cached_tokens: int = 0
-    # K/V lost to earlier preemptions that this step's admissions compute again
-    recomputed_tokens: int = 0
-
-    @property
-    def work(self) -> list[tuple[Request, int]]:
-        """(request, new tokens) in the order of the forward pass: decodes first."""
-        return [(request, 1) for request in self.decode] + self.prefill
+    # (request, new tokens) in scheduling order (running requests, then admissions): the forward pass's rows
+    work: list[tuple[Request, int]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)  # rows that feed a request's last sampled token
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # prompts, chunks, readmissions
+    # requests whose new tokens reach their last: each samples one token
+    sampling: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # lost their blocks; now first in the queue
+    blocked: bool = False  # a waiting request was refused for lack of memory
+    hits: dict[int, int] = field(default_factory=dict)  # admitted request id -> prompt tokens found cached
+    cached_tokens: int = 0  # tokens this step's admissions found in the prefix cache
+    recomputed_tokens: int = 0  # K/V lost to earlier preemptions that this step's admissions compute again
+    batch: Batch | None = None  # what the forward pass reads (None until schedule() returns)
+    # the step's changes in order, to undo it: a Reservation, or (request, its status before admission)
+    journal: list[Reservation | tuple[Request, Status]] = field(default_factory=list)
+    registered: set[int] = field(default_factory=set)  # blocks made findable, K/V not yet written
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) blocks, before the pass
+    lookups: tuple[int, int] = (0, 0)  # the prefix cache's (queried, hit) tokens before the step's lookups
 
     @property
     def num_tokens(self) -> int:  # new tokens of the step's forward pass
         return sum(n for _, n in self.work)
 
-    @property
-    def sampling(self) -> list[Request]:
-        """The requests whose new tokens reach their last: each samples one (read before ``update``)."""
-        return [request for request, n in self.work if n == request.num_uncomputed_tokens]
-
 
 class Scheduler:
-    """Continuous batching over ``cache``: running requests first, oldest first, then waiting ones in
-    arrival order, while ``max_num_seqs``, the token budget and the blocks allow. Admission keeps
-    ``watermark`` of the blocks free for the running requests to grow into."""
+    """Continuous batching over ``cache``: running requests first, in admission order, then waiting ones in
+    arrival order, while ``max_num_seqs``, the token budget and the blocks allow, with vLLM 0.32.0's rules:
+
+    - ``full_prompt_must_fit`` (vLLM's ``scheduler_reserve_full_isl``, on by default): a request is admitted
+      only if blocks for its whole current length fit, not just for its first chunk;
+    - ``watermark``: the share of the blocks an admission leaves free, applied only while a request runs
+      (vLLM's default 0.0; V0 kept 1%);
+    - ``long_prefill_token_threshold``: the most tokens of one request a step takes, applied only while
+      more than one request is running or waiting.
+
+    ``schedule`` makes a plan and takes its blocks; the caller runs it, then ``update``s (the step ran) or
+    ``undo``es it (the step failed). Only one plan is open at a time."""
 
     def __init__(self, cache: PagedKVCache, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
-                 watermark: float = 0.01, max_model_len: int = 2048) -> None:
+                 watermark: float = 0.0, max_model_len: int = 2048,
+                 full_prompt_must_fit: bool = True) -> None:
         limits = checks.scheduler(cache, max_num_seqs, max_num_batched_tokens,
-                                  long_prefill_token_threshold, watermark, max_model_len)
-        # the step's limits; chunk_cap: the most tokens of one prompt a step takes
+                                  long_prefill_token_threshold, watermark, max_model_len,
+                                  full_prompt_must_fit)
+        # the step's limits; chunk_cap: the most tokens of one request a step takes
         self.max_num_seqs, self.max_num_batched_tokens, self.chunk_cap, self.max_model_len = limits
+        self.full_prompt_must_fit = full_prompt_must_fit
         self.cache = cache
         self.block_size = cache.block_size
         self.watermark_blocks = int(float(watermark) * cache.num_blocks)
@@ -66,10 +77,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: preempt from the end
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
+        self.plan: StepPlan | None = None  # the plan made and not yet updated or undone
+        self.cap: int | None = None  # this step's chunk cap
 
     def blocks_alone(self, request: Request) -> int:
-        """Blocks ``request`` needs to run alone: the most it ever holds, plus the watermark."""
-        return ceil_div(request.max_kv_len, self.block_size) + self.watermark_blocks
+        """Blocks ``request`` needs to run alone: the most it ever holds."""
+        return ceil_div(request.max_kv_len, self.block_size)
 
     def check(self, request: Request) -> None:
         """``ValueError`` unless ``request`` is new, fits the model and, alone, the cache."""
@@ -85,49 +98,84 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> StepPlan:
-        """Plan one step: running requests take their next tokens (preempting the newest while blocks are
-        short); then, unless one was preempted, waiting requests are admitted."""
+        """Plan one step and take its blocks: running requests take their next tokens (preempting the newest
+        while blocks are short); then, unless one was preempted, waiting requests are admitted. If anything
+        raises, the step's allocations and admissions are undone first (its preemptions stay)."""
+        checks.no_open_plan(self)
         plan = StepPlan()
-        pending = self.schedule_running(plan)
-        if plan.preempted:
-            plan.blocked = bool(self.waiting)
-        else:
-            self.schedule_waiting(plan, pending)
+        if self.cache.prefix_cache is not None:
+            plan.lookups = (self.cache.prefix_cache.queried_tokens, self.cache.prefix_cache.hit_tokens)
+        self.cap = None  # vLLM: with one request eligible, nobody is left to starve
+        if len(self.running) + len(self.waiting) > 1:
+            self.cap = self.chunk_cap
+        try:
+            self.schedule_running(plan)
+            if plan.preempted:
+                plan.blocked = bool(self.waiting)
+            else:
+                self.schedule_waiting(plan)
+        except BaseException:
+            self.rollback(plan)
+            raise
+        plan.batch = self.cache.batch([request.req_id for request, _ in plan.work],
+                                      [self.new_token_ids(request, n) for request, n in plan.work],
+                                      [record.slots[0] for record in self.reservations(plan)],
+                                      plan.copies)
+        self.plan = plan
         return plan
 
-    def schedule_running(self, plan: StepPlan) -> int:
-        """Give each running request, oldest first, its next tokens. Returns the new blocks they take."""
-        pending = 0
+    @staticmethod
+    def new_token_ids(request: Request, n: int) -> list[int] | None:
+        """The ids of the ``n`` tokens ``request`` computes next; ``None`` for a simulated request without
+        ids (notebook 07's requests have lengths only)."""
+        if request.prompt_tokens is None:
+            return None
+        return request.next_token_ids(n)
+
+    def schedule_running(self, plan: StepPlan) -> None:
+        """Give each running request, oldest first, its next tokens and their slots."""
         for request in list(self.running):
             n = self.chunk_size(plan, request.num_uncomputed_tokens)
             if n == 0 or request.status is not Status.RUNNING:
                 break
-            new = self.blocks_for(request, n)
             # the newest requests lose their blocks until this one's fit (it may be the newest)
-            while new + pending > self.cache.num_free_blocks:
+            while self.blocks_for(request, n) > self.cache.num_free_blocks:
                 plan.preempted.append(self.preempt())
                 if request.status is not Status.RUNNING:
-                    return pending
-            pending += new
+                    return
             if request.num_uncomputed_tokens == 1 and request.output_tokens:  # then n is 1
                 plan.decode.append(request)
             else:
                 plan.prefill.append((request, n))
-        return pending
+            self.allocate(plan, request, n)
 
     def chunk_size(self, plan: StepPlan, uncomputed: int) -> int:
         """How many of ``uncomputed`` tokens fit in what the step's budget and the chunk cap leave."""
         n = uncomputed
         if self.max_num_batched_tokens is not None:
             n = min(n, self.max_num_batched_tokens - plan.num_tokens)
-        if self.chunk_cap is not None:
-            n = min(n, self.chunk_cap)
+        if self.cap is not None:
+            n = min(n, self.cap)
         return n
 
     def blocks_for(self, request: Request, n: int) -> int:
         """New blocks ``request`` takes to store ``n`` more tokens."""
         held = self.cache.seq_lens[request.req_id]
         return ceil_div(held + n, self.block_size) - ceil_div(held, self.block_size)
+
+    def allocate(self, plan: StepPlan, request: Request, n: int) -> None:
+        """Reserve slots for ``n`` more tokens of ``request``: a row of the plan. The blocks they fill become
+        findable at once (vLLM registers a block when it schedules it)."""
+        token_ids = None
+        if self.cache.prefix_cache is not None:
+            token_ids = request.next_token_ids(n)
+        record = self.cache.manager.reserve([request.req_id], [n], token_ids)
+        plan.journal.append(record)
+        plan.registered.update(record.registered)
+        plan.copies += record.copies
+        plan.work.append((request, n))
+        if n == request.num_uncomputed_tokens:
+            plan.sampling.append(request)
 
     def preempt(self) -> Request:
         """Free the newest running request's blocks and queue it first again: its K/V will be
@@ -137,48 +185,45 @@ class Scheduler:
         self.requeue(request, Status.PREEMPTED)
         return request
 
-    def schedule_waiting(self, plan: StepPlan, pending: int) -> None:
+    def schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in arrival order while ``max_num_seqs``, the token budget and the
-        blocks allow. If anything raises, this step's admissions are undone first."""
-        admitted: list[tuple[Request, Status]] = []
-        try:
-            while self.waiting and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                status = request.status
-                new = self.admit(plan, request, pending)
-                if new is None:
-                    break
-                pending += new
-                admitted.append((request, status))
-        except BaseException:
-            for request, status in reversed(admitted):
-                self.requeue(request, status)  # as it was
-            raise
+        blocks allow."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            if not self.admit(plan, self.waiting[0]):
+                break
 
-    def admit(self, plan: StepPlan, request: Request, pending: int) -> int | None:
-        """Admit ``request`` with its first chunk: the new blocks it takes, or ``None`` if it must wait
-        (no tokens left in the step, or too few blocks: ``plan.blocked``)."""
-        found, found_tokens = self.cached_prefix(request)
+    def admit(self, plan: StepPlan, request: Request) -> bool:
+        """Admit ``request`` with its first chunk, or say it must wait (no tokens left in the step, or too
+        few blocks: ``plan.blocked``)."""
+        cache_checks.seq(self.cache, request.req_id, "req_id", new=True)  # the cache is the scheduler's
+        found, found_tokens = self.cached_prefix(request, plan)
         n = self.chunk_size(plan, request.num_tokens - found_tokens)
         if n <= 0:
-            return None
-        new = self.admission_blocks(request, found, found_tokens + n, pending)
-        if new is None:
+            return False
+        num_tokens = found_tokens + n
+        if self.full_prompt_must_fit:  # vLLM: the whole current length, outputs of a preempted one included
+            num_tokens = max(num_tokens, min(request.num_tokens, self.max_model_len))
+        if not self.fits(request, found, num_tokens):
             plan.blocked = True
-            return None
-        request.num_computed_tokens = self.attach(request)
-        self.running.append(self.waiting.popleft())
+            return False
+        plan.journal.append((request, request.status))
+        self.waiting.popleft()
+        self.running.append(request)
         request.status = Status.RUNNING
+        request.num_computed_tokens = self.attach(plan, request)
         # found by the prefix cache (not num_computed_tokens: a window's attach counts skipped tokens too)
         held = self.cache.seq_lens[request.req_id]
+        plan.hits[request.req_id] = held
         plan.cached_tokens += held
         plan.recomputed_tokens += max(0, request.lost_tokens - held)
-        plan.prefill.append((request, self.chunk_size(plan, request.num_uncomputed_tokens)))
-        return new
+        n = self.chunk_size(plan, request.num_uncomputed_tokens)
+        plan.prefill.append((request, n))
+        self.allocate(plan, request, n)
+        return True
 
-    def cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """The cached blocks ``add_sequence`` will attach for ``request``, and the tokens it will find
-        (the radix cache also copies part of a block, into one of the new blocks). Changes nothing."""
+    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int]:
+        """The cached blocks ``attach`` will find for ``request``, and the tokens they hold (the radix
+        cache also copies part of a block, into one of the new blocks). Changes nothing."""
         prefix_cache = self.cache.prefix_cache
         if prefix_cache is None:
             return [], 0
@@ -186,47 +231,73 @@ class Scheduler:
         found = prefix_cache.peek(token_ids)
         tokens = len(found) * self.block_size
         if isinstance(prefix_cache, RadixCache):
-            tokens += prefix_cache.partial_match(token_ids, found)[1]
+            tokens += prefix_cache.partial_match(token_ids, found, plan.registered)[1]
         return found, tokens
 
-    def admission_blocks(self, request: Request, found: list[int], num_tokens: int,
-                         pending: int) -> int | None:
-        """New blocks a sequence of ``num_tokens`` takes beside the cached ``found``, or ``None`` if fewer
-        than the watermark would stay free after ``pending`` (a found block nobody holds leaves the free
-        ones when attached)."""
+    def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
+        """vLLM 0.32.0's admission test (``KVCacheManager.allocate_slots``): the blocks a sequence of
+        ``num_tokens`` takes beside the cached ``found`` (a found block nobody holds leaves the free ones when
+        attached), plus the watermark while anything runs, must be free."""
         revived = sum(self.cache.ref_count(block) == 0 for block in found)
-        new = ceil_div(num_tokens, self.block_size) - len(found)
-        left = self.cache.num_free_blocks - pending - new - revived
-        if left < self.watermark_blocks:
-            return None
-        return new
+        need = ceil_div(num_tokens, self.block_size) - len(found) + revived
+        if self.running:
+            need += self.watermark_blocks
+        return need <= self.cache.num_free_blocks
 
-    def attach(self, request: Request) -> int:
+    def attach(self, plan: StepPlan, request: Request) -> int:
         """Start ``request``'s sequence with the blocks the prefix cache finds: the tokens found."""
-        token_ids = None
-        if self.cache.prefix_cache is not None:
-            token_ids = request.token_ids
-        return self.cache.add_sequence(request.req_id, token_ids)
+        manager = self.cache.manager
+        if self.cache.prefix_cache is None:
+            return manager.add_sequence(request.req_id)
+        token_ids = request.token_ids
+        manager.add_sequence(request.req_id, token_ids)
+        plan.copies += manager.share_partial_block(request.req_id, token_ids, plan.registered)
+        return self.cache.seq_lens[request.req_id]
 
     def requeue(self, request: Request, status: Status) -> None:
         """Free ``request``'s blocks and queue it first again with ``status``, nothing computed: a
-        preemption, or the undoing of an admission."""
+        preemption, or the undoing of an admission (perhaps interrupted before its sequence was added)."""
         self.free(request)
         self.running.remove(request)
         self.waiting.appendleft(request)
         request.num_computed_tokens = 0
         request.status = status
 
+    def reservations(self, plan: StepPlan) -> list[Reservation]:
+        return [entry for entry in plan.journal if isinstance(entry, Reservation)]
+
+    def undo(self, plan: StepPlan) -> None:
+        """The step of ``plan`` failed (its forward pass raised): every allocation, registration and admission
+        it made is undone, so no block without its K/V can be found; its preemptions stay (the K/V those
+        freed may be overwritten already). The next ``schedule`` plans the step again."""
+        checks.open_plan(self, plan)
+        self.rollback(plan)
+        self.plan = None
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Undo ``plan``'s journal, newest change first, and its admissions' lookups in the statistics."""
+        while plan.journal:
+            entry = plan.journal.pop()
+            if isinstance(entry, Reservation):
+                self.cache.manager.undo(entry)
+            else:
+                self.requeue(*entry)  # as it was
+        if self.cache.prefix_cache is not None:
+            self.cache.prefix_cache.queried_tokens, self.cache.prefix_cache.hit_tokens = plan.lookups
+
     def update(self, plan: StepPlan, sampled: list[int]) -> list[Request]:
-        """The step ran: ``sampled`` holds one token per entry of ``plan.work`` (the model's rows). Count
-        the computed tokens, append the tokens of the requests that sample, and finish those that have
-        all their tokens (freeing their blocks). Returns the finished requests."""
-        work = plan.work
-        checks.sampled(sampled, len(work))
+        """The step of ``plan`` ran: ``sampled`` holds one token per row of ``plan.work``. Its K/V are written
+        (the reservations are committed); count the computed tokens, append the tokens of the requests that
+        sample, and finish those that have all their tokens (freeing their blocks). Returns the finished
+        requests. A plan is taken once, and only the latest."""
+        checks.open_plan(self, plan)
+        sampled = checks.sampled(sampled, len(plan.work))
+        for record in self.reservations(plan):
+            self.cache.manager.commit(record)
+        plan.journal.clear()
+        self.plan = None
         finished = []
-        for (request, n), token in zip(work, sampled):
-            if request.status is not Status.RUNNING:
-                continue  # aborted since the plan was made
+        for (request, n), token in zip(plan.work, sampled):
             if n == request.num_uncomputed_tokens:
                 request.output_tokens.append(token)
             request.num_computed_tokens += n
@@ -237,6 +308,7 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         """Forget ``request``: a running one gives its blocks back, a waiting one leaves the queue."""
+        checks.unfinished(self, request)
         if request.status is Status.RUNNING:
             self.free(request)
             self.running.remove(request)
@@ -246,12 +318,13 @@ class Scheduler:
         del self.requests[request.req_id]
 
     def abort(self, req_id: int) -> Request:
-        """Drop request ``req_id`` whatever its state (waiting, running, preempted), freeing its blocks."""
+        """Drop request ``req_id`` whatever its state (waiting, running, preempted), freeing its blocks;
+        between steps only (no plan open)."""
         request = checks.live_request(self, req_id)
         self.finish(request)
         return request
 
     def free(self, request: Request) -> None:
         """Give ``request``'s memory back."""
-        self.cache.free_sequence(request.req_id)
-
+        if request.req_id in self.cache.seq_lens:
+            self.cache.manager.free_sequence(request.req_id)

@@ -85,23 +85,14 @@ class SlabScheduler(Scheduler):
     def blocks_for(self, request: Request, n: int) -> int:
         return 0  # the slab covers every token the request will write
 
-    def admission_blocks(self, request: Request, found: list[int], num_tokens: int,
-                         pending: int) -> int | None:
-        """Place the request's slab (no blocks counted: 0), or ``None`` if no hole holds it."""
-        if self.slots.allocate(request.req_id, self.reservation(request)) is None:
-            return None
-        return 0
-
-    def attach(self, request: Request) -> int:
-        try:
-            return super().attach(request)
-        except BaseException:  # the slab placed for it goes back: it stays waiting
-            self.slots.free(request.req_id)
-            raise
+    def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
+        """Place the request's slab (it then holds every token the request will write), or say no hole
+        holds it."""
+        return self.slots.allocate(request.req_id, self.reservation(request)) is not None
 
     def free(self, request: Request) -> None:
         super().free(request)
-        self.slots.free(request.req_id)
+        self.slots.free(request.req_id)  # placed by fits, whether or not the sequence was added
 
 
 def _slab_budget(cache: PagedKVCache, budget: object, max_num_seqs: int) -> int:

@@ -158,26 +158,19 @@ def free_slots(sched: Scheduler) -> int:
 
 
 def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
-    """Write the plan's K/V: K = the token's position, V = its request id (1 layer, 1 head, head_dim 1), so a
-    test can read back what went where; a prefill starts after the tokens already computed (or found)."""
+    """Write the plan's K/V into the slots it reserved: K = the token's position, V = its request id (1 layer,
+    1 head, head_dim 1), so a test can read back what went where. What a model's forward pass does."""
+    if not plan.work:
+        return
     cache = sched.cache
-    caching = cache.prefix_cache is not None
-    for request, n in plan.prefill:
-        start = request.num_computed_tokens
-        k = torch.arange(start, start + n, dtype=cache.dtype).view(1, n, 1, 1)  # [layers, n, heads, dim]
-        token_ids = None
-        if caching:
-            token_ids = request.next_token_ids(n)
-        cache.append_tokens(request.req_id, k, torch.full_like(k, request.req_id), token_ids=token_ids)
-    if plan.decode:
-        ids = [request.req_id for request in plan.decode]
-        positions = [request.num_computed_tokens for request in plan.decode]
-        token_ids = None
-        if caching:
-            token_ids = [request.next_token_ids(1)[0] for request in plan.decode]
-        k = torch.tensor(positions, dtype=cache.dtype).view(1, -1, 1, 1)  # [layers, batch, heads, dim]
-        v = torch.tensor(ids, dtype=cache.dtype).view(1, -1, 1, 1)
-        cache.append_batch(ids, k, v, token_ids=token_ids)
+    cache.pool.copy_blocks(plan.batch.copies)
+    positions, owners = [], []
+    for request, n in plan.work:  # a row starts after the tokens already computed (or found)
+        positions += range(request.num_computed_tokens, request.num_computed_tokens + n)
+        owners += [request.req_id] * n
+    k = torch.tensor(positions, dtype=cache.dtype).view(1, -1, 1, 1)  # [layers, tokens, heads, dim]
+    v = torch.tensor(owners, dtype=cache.dtype).view(1, -1, 1, 1)
+    cache.pool.write([slot for slots in plan.batch.slots for slot in slots], k, v)
 
 
 def sim_step(sched: Scheduler) -> tuple[StepPlan, list[Request]]:
@@ -307,8 +300,10 @@ def serve(sched: Scheduler, requests: list[Request], occupancy: bool = False, pr
 def _run_step(sched: Scheduler, plan: StepPlan, step: int) -> dict[str, int]:
     """Write the plan's fake K/V; the step's row of ``SimResult.series``."""
     window_start = {}  # req_id -> position of the first token its cache holds
+    scheduled = {request.req_id: n for request, n in plan.work}  # the cache holds their slots already
     for request in sched.running:
-        window_start[request.req_id] = request.num_computed_tokens - sched.cache.seq_lens[request.req_id]
+        stored = sched.cache.seq_lens[request.req_id] - scheduled.get(request.req_id, 0)
+        window_start[request.req_id] = request.num_computed_tokens - stored
     write_fake_kv(sched, plan)
     context = sum(sched.cache.seq_lens[request.req_id] for request, _ in plan.work)
     return {"step": step, "running": len(sched.running), "waiting": len(sched.waiting),

@@ -53,7 +53,7 @@ class WindowScheduler(Scheduler):
 
     def blocks_alone(self, request: Request) -> int:
         most = min(request.max_kv_len, self.window + self.block_size)  # see first_stored
-        return ceil_div(most, self.block_size) + self.watermark_blocks
+        return ceil_div(most, self.block_size)
 
     def schedule(self) -> StepPlan:
         for request in self.running:
@@ -65,16 +65,14 @@ class WindowScheduler(Scheduler):
         behind = max(0, request.num_tokens - self.window)
         return behind // self.block_size * self.block_size
 
-    def cached_prefix(self, request: Request) -> tuple[list[int], int]:
+    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int]:
         return [], self.first_stored(request)  # the tokens before need no block
 
-    def admission_blocks(self, request: Request, found: list[int], num_tokens: int,
-                         pending: int) -> int | None:
-        stored = num_tokens - self.first_stored(request)
-        return super().admission_blocks(request, found, stored, pending)
+    def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
+        return super().fits(request, found, num_tokens - self.first_stored(request))
 
-    def attach(self, request: Request) -> int:
-        super().attach(request)
+    def attach(self, plan: StepPlan, request: Request) -> int:
+        super().attach(plan, request)
         start = self.first_stored(request)
         self.skipped_tokens += start
         return start

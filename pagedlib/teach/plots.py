@@ -12,9 +12,11 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from pagedlib import testing
 from pagedlib.sim.simulate import CATEGORIES
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.teach.sizing import block_table_entries, paged_utilization
+from pagedlib.testing import block_holders
 from pagedlib.util import ceil_div
 
 # a line per write method (notebook 02), attention implementation (04) or admission policy (07)
@@ -119,8 +121,9 @@ def plot_block_pool(cache, cols: int | None = None) -> Figure:
     cols = cols or min(nb, 16)
     rows = ceil_div(nb, cols)
     fig, ax = _new_figure(min(0.62 * cols + 2.6, 13.0), 0.62 * rows + 1.0)
-    holders = cache.block_holders()  # per block: the sequences holding it, in table order
-    fill = [max([0, *(min(bs, cache.seq_lens[s] - i * bs) for s, i in hs)]) for hs in cache.manager.holders()]
+    holders = block_holders(cache)  # per block: the sequences holding it, in table order
+    entries = testing.holders(cache.manager)  # per block: (sequence, index in its table) of each holder
+    fill = [max([0, *(min(bs, cache.seq_lens[s] - i * bs) for s, i in hs)]) for hs in entries]
     queue = cache.prefix_cache.free_queue if cache.prefix_cache else []  # cached free blocks, evicted first
     label = {b: str(i + 1) for i, b in enumerate(reversed(cache.free))}  # 1: the top of the free stack
     label |= {b: f"e{i + 1}" for i, b in enumerate(queue)}

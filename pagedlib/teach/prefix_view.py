@@ -82,13 +82,15 @@ def _draw_tree(ax: plt.Axes, radix, ref_counts: list[int]) -> None:
 
 def _draw_chain(ax: plt.Axes, hashed, ref_counts: list[int]) -> None:
     """The hash cache: a box per cached block, an arrow from each block to the block its key chains to."""
-    parent_of = {block: hashed.blocks.get(key.parent) if key.parent else None
-                 for key, block in hashed.blocks.items()}
+    def first(key):  # the block a lookup finds for ``key`` (the oldest of its duplicates)
+        return next(iter(hashed.blocks[key])) if key in hashed.blocks else None
+
+    parent_of = {block: first(key.parent) if key.parent else None for block, key in hashed.keys.items()}
     row_of = _rows(list(parent_of.items()))
     depth_of = {}
     for block, parent in parent_of.items():  # dict order: a parent is registered before its children
         depth_of[block] = 0 if parent is None else depth_of[parent] + 1
-    for key, block in hashed.blocks.items():
+    for block, key in hashed.keys.items():
         color = HELD_COLOR if ref_counts[block] else CACHED_COLOR
         left = depth_of[block] * (CELL + GAP)
         _box(ax, left, row_of[block], _block_label(list(key.tokens), block), color)

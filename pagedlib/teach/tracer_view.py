@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.teach._checks import MAX_SEQUENCES, MAX_SLOTS, drawable  # noqa: F401 (the limits, re-exported)
 from pagedlib.teach.colors import CACHED_COLOR, CACHED_EDGE, FREE_COLOR, OWNER_NAMES, owner_color
+from pagedlib.testing import block_holders
 
 _MONO = "font-family:Menlo,Consolas,DejaVu Sans Mono,monospace"
 _ROOT = "font-family:system-ui,sans-serif;font-size:13px;color:#222;line-height:1.35;max-width:1060px"
@@ -116,7 +117,7 @@ def _legend(cache: PagedKVCache) -> str:
 def _pool_panel(cache: PagedKVCache, selected: int | None, hit: tuple[int, int] | None,
                 copied: tuple[int, int] | None) -> str:
     """Every physical block in id order: a card of ``block_size`` slots, or a run of empty free blocks."""
-    holders, labels, cards = cache.block_holders(), _slot_labels(cache), []
+    holders, labels, cards = block_holders(cache), _slot_labels(cache), []
     for empty, run in itertools.groupby(range(cache.num_blocks), lambda b: not (holders[b] or labels[b][0])):
         if empty:
             cards.append(_free_run(list(run)))
