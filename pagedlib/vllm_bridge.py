@@ -35,6 +35,7 @@ class StepRecord:
     hits: dict[str, int] = field(default_factory=dict)             # request -> prompt tokens found cached
     blocks: dict[str, list[int]] = field(default_factory=dict)     # request -> block ids held after it
     free_blocks: int = 0                                            # free (cached but unused included)
+    cached_free_blocks: int = 0                                     # of those, findable by a lookup
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
 
@@ -50,6 +51,9 @@ class BridgeConfig:
     enable_prefix_caching: bool = True
     model: str = str(TINY_MODEL)
     dtype: str = "float32"
+    long_prefill_token_threshold: int = 0   # vLLM's 0: no cap on one request's chunk
+    watermark: float = 0.0                  # vLLM's default: no blocks kept free at admission
+    scheduler_reserve_full_isl: bool = True  # admit only if the whole current length fits (vLLM's default)
 
 
 @dataclass
@@ -75,82 +79,76 @@ def vllm_available() -> tuple[bool, str]:
 
 
 def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
-    """The shared settings of an ``Engine`` built with a token budget (vLLM V1 has no whole-prompt mode)."""
-    budget, _ = engine.token_budget
+    """The shared settings of an ``Engine`` built with a token budget (vLLM V1 has no whole-prompt mode):
+    every setting that changes a decision, or ``ValueError`` naming one vLLM cannot take."""
+    from pagedlib.engine import Engine
+
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a pagedlib Engine, got {type(engine).__name__}")
+    config = engine.config
+    budget = config.max_num_batched_tokens
     if budget is None:
         raise ValueError("the engine runs whole prompts (max_num_batched_tokens=None); vLLM V1 always "
                          "chunks them: build the Engine with max_num_batched_tokens to compare")
-    if engine.max_num_seqs > budget:
+    if config.max_num_seqs > budget:
         raise ValueError(f"vLLM needs max_num_batched_tokens ({budget}) >= max_num_seqs "
-                         f"({engine.max_num_seqs}): build the Engine with max_num_seqs <= its token budget")
-    return BridgeConfig(num_blocks=engine.cache.num_blocks, block_size=engine.cache.block_size,
-                        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=budget,
-                        enable_prefix_caching=engine.cache.prefix_cache is not None, model=str(model))
+                         f"({config.max_num_seqs}): build the Engine with max_num_seqs <= its token budget")
+    if config.kv_cache_dtype not in (None, engine.model.dtype):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype}: the bridge runs vLLM with the model's "
+                         f"own dtype only; compare fp8 caches by their tokens (notebook 10)")
+    if config.block_size % 32:
+        raise ValueError(f"block_size={config.block_size}: vLLM's CPU attention takes multiples of 32 only")
+    return BridgeConfig(num_blocks=config.num_blocks, block_size=config.block_size,
+                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+                        enable_prefix_caching=config.enable_prefix_caching, model=str(model),
+                        dtype=str(engine.model.dtype).removeprefix("torch."),
+                        long_prefill_token_threshold=config.long_prefill_token_threshold or 0,
+                        watermark=config.watermark, scheduler_reserve_full_isl=config.full_prompt_must_fit)
 
 
 # ---- pagedlib's side: an Engine stepped through a workload ----------------------------------------------
 
 def run_engine(engine: Any, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict[str, list[int]]]:
     """Step ``engine`` through ``workload`` (each request added before the step it arrives at) until every
-    request finished: one ``StepRecord`` per step, and the tokens each request generated."""
+    request finished: one ``StepRecord`` per step, and the tokens each request generated. The whole workload
+    is checked first (names distinct, every request one the engine takes): nothing runs otherwise."""
+    _check_workload(engine, workload)
     pending = sorted(workload, key=lambda arrival: arrival.step)
     names: dict[int, str] = {}                   # Engine's request id -> the workload's name
     records = []
-    with _watch_engine(engine) as seen:
-        while pending or engine.has_unfinished():
-            while pending and pending[0].step <= len(records):
-                arrival = pending.pop(0)
-                names[engine.add_request(arrival.prompt, arrival.max_new_tokens)] = arrival.name
-            seen["chunks"].clear()
-            seen["hits"].clear()
-            output = engine.step()
-            records.append(engine_record(engine, output, seen, names))
+    while pending or engine.has_unfinished():
+        while pending and pending[0].step <= len(records):
+            arrival = pending.pop(0)
+            names[engine.add_request(arrival.prompt, arrival.max_new_tokens)] = arrival.name
+        records.append(engine_record(engine, engine.step(), names))
     tokens = {name: engine.output(req_id) for req_id, name in names.items()}
     return records, tokens
 
 
-def engine_record(engine: Any, output: Any, seen: dict, names: dict[int, str]) -> StepRecord:
-    """The ``StepRecord`` of the step ``engine`` just ran (``output``: its ``StepOutput``). The one place that
-    reads pagedlib's engine: ``seen`` holds what ``_watch_engine`` saw the step hand the model and cache."""
+def _check_workload(engine: Any, workload: Sequence[Arrival]) -> None:
+    """``ValueError`` for a repeated name or a request the engine refuses (checked without queueing it)."""
+    seen = set()
+    for arrival in workload:
+        if not isinstance(arrival, Arrival):
+            raise TypeError(f"workload must hold Arrival objects, got {type(arrival).__name__}")
+        if arrival.name in seen:
+            raise ValueError(f"workload names {arrival.name!r} twice: each request needs its own name")
+        seen.add(arrival.name)
+        engine._request(f"request {arrival.name!r}", arrival.prompt, arrival.max_new_tokens)
+
+
+def engine_record(engine: Any, output: Any, names: dict[int, str]) -> StepRecord:
+    """The ``StepRecord`` of the step ``engine`` just ran, from its ``StepOutput`` and its cache."""
     cache = engine.cache
     return StepRecord(
-        scheduled={names[req_id]: n for req_id, n in seen["chunks"].items()},
-        hits={names[req_id]: n for req_id, n in seen["hits"].items()},
+        scheduled={names[req_id]: n for req_id, n in output.scheduled.items()},
+        hits={names[req_id]: n for req_id, n in output.hits.items()},
         blocks={names[seq_id]: list(cache.tables[seq_id]) for seq_id in cache.seq_lens},
         free_blocks=cache.num_free_blocks,
+        cached_free_blocks=cache.num_cached_free_blocks,
         preempted=sorted(names[req_id] for req_id in output.preempted),
         finished=sorted(names[req_id] for req_id in output.finished),
     )
-
-
-class _watch_engine:
-    """Wraps ``engine.model.step`` (it receives each request's new tokens) and ``engine.cache.add_sequence``
-    (it returns the prompt tokens the prefix cache found) for the duration of a ``with`` block."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.seen: dict[str, dict] = {"chunks": {}, "hits": {}}
-
-    def __enter__(self) -> dict[str, dict]:
-        model, cache, seen = self.engine.model, self.engine.cache, self.seen
-        model_step, add_sequence = model.step, cache.add_sequence
-
-        def step(kv_cache: Any, ids: list, chunks: list, **options: Any) -> Any:
-            seen["chunks"].update({seq_id: len(chunk) for seq_id, chunk in zip(ids, chunks)})
-            return model_step(kv_cache, ids, chunks, **options)
-
-        def add(seq_id: Any, prompt_token_ids: Any = None) -> int:
-            found = add_sequence(seq_id, prompt_token_ids)
-            seen["hits"][seq_id] = found
-            return found
-
-        model.step = step
-        cache.add_sequence = add
-        return seen
-
-    def __exit__(self, *exc: object) -> None:
-        del self.engine.model.step                  # the instance attributes go; the methods show again
-        del self.engine.cache.add_sequence
 
 
 # ---- vLLM's side, inside the worker process ----------------------------------------------------------------
@@ -175,7 +173,9 @@ def build_llm(config: BridgeConfig) -> Any:
                block_size=config.block_size, num_gpu_blocks_override=config.num_blocks + 1,  # + null block
                max_model_len=min(capacity, _max_positions(config.model)),
                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-               enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05)
+               enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05,
+               long_prefill_token_threshold=config.long_prefill_token_threshold, watermark=config.watermark,
+               scheduler_reserve_full_isl=config.scheduler_reserve_full_isl)
 
 
 def _max_positions(model: str) -> int:
@@ -223,7 +223,9 @@ def vllm_record(scheduler: Any, plans: list[Any], outputs: list[Any]) -> StepRec
     """The ``StepRecord`` of vLLM's last step, from its ``SchedulerOutput`` (``plans``), the scheduler's
     running requests and ``KVCacheManager``, and the step's ``RequestOutput`` list."""
     manager = scheduler.kv_cache_manager
-    record = StepRecord(free_blocks=manager.block_pool.get_num_free_blocks())
+    pool = manager.block_pool
+    cached = sum(block.block_hash is not None for block in pool.free_block_queue.get_all_free_blocks())
+    record = StepRecord(free_blocks=pool.get_num_free_blocks(), cached_free_blocks=cached)
     record.finished = sorted(o.request_id for o in outputs if o.finished)
     record.blocks = {_external(r.request_id): list(manager.get_block_ids(r.request_id)[0])
                      for r in scheduler.running}
@@ -264,6 +266,8 @@ def serve(lines: Any, reply: Any) -> None:
             answer.update(_do(built[key], job))
         except Exception as error:          # the parent raises it with vLLM's log
             answer = {"error": f"{type(error).__name__}: {error}"}
+            built.clear()                    # a refused job may leave requests inside: the next job rebuilds
+        answer["id"] = job.get("id")
         reply.write(json.dumps(answer) + "\n")
         reply.flush()
 
@@ -289,30 +293,68 @@ WORKER_ENV = {
 
 class VllmWorker:
     """vLLM in a process of its own, built and stepped on request; ``with VllmWorker() as w: w.run(...)``.
-    ``env``: more environment variables for it (threads, for example)."""
+    ``env``: more environment variables for it (threads, for example); ``timeout``: the seconds a job may
+    take before the worker is stopped. Every job carries an id and its answer names it, so an answer left
+    over from an interrupted job is dropped, never returned for another. A job vLLM refuses leaves the
+    worker usable (the next job builds vLLM afresh); leaving the ``with`` block stops the worker."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, timeout: float = 900.0) -> None:
         import tempfile
 
         available, why = vllm_available()
         if not available:
             raise RuntimeError(why)
+        self.timeout = float(timeout)
         self.log = tempfile.TemporaryFile(mode="w+")        # vLLM's log, quoted if a job fails
         environment = {**os.environ, **WORKER_ENV, **(env or {})}
         self.process = subprocess.Popen([sys.executable, "-m", "pagedlib.vllm_bridge"], env=environment,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                        text=True)
+                                        bufsize=0)
+        self._jobs = 0
+        self._buffer = b""                                   # answer bytes read but not yet a whole line
 
-    def job(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Send one job, wait for its answer; ``RuntimeError`` with the tail of vLLM's log if it failed."""
-        self.process.stdin.write(json.dumps(job) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        answer = json.loads(line) if line else {"error": "the vLLM worker exited"}
+    def send(self, job: dict[str, Any]) -> int:
+        """Hand the worker one job without waiting; returns the job's id."""
+        if self.process.poll() is not None:
+            raise RuntimeError("the vLLM worker has stopped (closed, timed out or crashed): make a new "
+                               "VllmWorker")
+        self._jobs += 1
+        self.process.stdin.write((json.dumps({**job, "id": self._jobs}) + "\n").encode())
+        return self._jobs
+
+    def job(self, job: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send one job and wait for its answer (answers of earlier, interrupted jobs are dropped);
+        ``RuntimeError`` with the tail of vLLM's log if it failed, ``TimeoutError`` (the worker stopped)
+        after ``timeout`` seconds (default: the worker's)."""
+        job_id = self.send(job)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        answer: dict[str, Any] = {}
+        while answer.get("id") != job_id:
+            line = self._line(deadline)
+            answer = json.loads(line) if line else {"id": job_id, "error": "the vLLM worker exited"}
         if "error" in answer:
             self.log.seek(0)
             raise RuntimeError(f"vLLM: {answer['error']}\n{self.log.read()[-3000:]}")
         return answer
+
+    def _line(self, deadline: float) -> bytes:
+        """The worker's next answer line (empty if it exited), waiting until ``deadline`` at most."""
+        import select
+
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close(grace=0)
+                raise TimeoutError("vLLM did not answer in time: the worker was stopped; make a new "
+                                   "VllmWorker (pass timeout= for longer jobs)")
+            ready, _, _ = select.select([self.process.stdout], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self.process.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    return b""
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
 
     def run(self, config: BridgeConfig, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict]:
         """``run_engine``'s records and tokens, from vLLM set up by ``config``."""
@@ -324,31 +366,48 @@ class VllmWorker:
         return self.job({"config": asdict(config), "prompts": [list(p) for p in prompts],
                          "max_new_tokens": max_new_tokens})
 
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
+    def close(self, grace: float = 10.0) -> None:
+        """Stop the worker: it ends by itself once its input closes (within ``grace`` seconds), else it is
+        terminated, then killed."""
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=grace)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
         self.log.close()
 
     def __enter__(self) -> VllmWorker:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, error: object, *rest: object) -> None:
+        self.close(grace=0 if error is not None else 10.0)  # an interrupted block stops the worker at once
 
 
 # ---- comparing two runs ---------------------------------------------------------------------------------
 
-def canonical(record: StepRecord) -> StepRecord:
-    """``record`` with block ids renamed 0, 1, 2... in order of first appearance (requests by name): the
-    engines number their blocks differently, but which requests share a block must agree."""
+def canonical(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """``records`` with block ids renamed 0, 1, 2... in order of first appearance over the whole run (requests
+    by name within a step): the engines number their blocks differently, but which block each request holds,
+    keeps, shares or gets back after an eviction must agree from step to step."""
     rename: dict[int, int] = {}
-    blocks = {}
-    for name in sorted(record.blocks):
-        for block in record.blocks[name]:
-            rename.setdefault(block, len(rename))
-        blocks[name] = [rename[block] for block in record.blocks[name]]
-    return StepRecord(dict(record.scheduled), dict(record.hits), blocks, record.free_blocks,
-                      sorted(record.preempted), sorted(record.finished))
+    out = []
+    for record in records:
+        if not isinstance(record, StepRecord):
+            raise TypeError(f"records must be StepRecord objects, got {type(record).__name__}")
+        blocks = {}
+        for name in sorted(record.blocks):
+            for block in record.blocks[name]:
+                rename.setdefault(block, len(rename))
+            blocks[name] = [rename[block] for block in record.blocks[name]]
+        out.append(StepRecord(dict(record.scheduled), dict(record.hits), blocks, record.free_blocks,
+                              record.cached_free_blocks, sorted(record.preempted), sorted(record.finished)))
+    return out
 
 
 def differences(ours: Sequence[StepRecord], theirs: Sequence[StepRecord]) -> list[str]:
@@ -356,8 +415,7 @@ def differences(ours: Sequence[StepRecord], theirs: Sequence[StepRecord]) -> lis
     found = []
     if len(ours) != len(theirs):
         found.append(f"pagedlib took {len(ours)} steps, vLLM {len(theirs)}")
-    for step, (a, b) in enumerate(zip(ours, theirs)):
-        a, b = canonical(a), canonical(b)
+    for step, (a, b) in enumerate(zip(canonical(ours), canonical(theirs))):
         for name in StepRecord.__dataclass_fields__:
             if getattr(a, name) != getattr(b, name):
                 found.append(f"step {step} {name}: pagedlib {getattr(a, name)}, vLLM {getattr(b, name)}")

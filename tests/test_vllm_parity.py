@@ -9,7 +9,9 @@ backend binds threads in the process that builds it, and starting it costs tens 
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import time
 
 import pytest
 
@@ -92,6 +94,35 @@ def queue_behind_max_num_seqs(rng, tiny):
     return [Arrival(f"r{i}", tokens(rng, rng.randrange(8, 50)), 10) for i in range(6)]
 
 
+def shared_prefix_same_step(rng, tiny):
+    """Four prompts behind a 70-token prefix, all arriving before step 0: the first request's full blocks
+    are registered when they are scheduled, so the other three find them in the same step."""
+    prefix = tokens(rng, 70)
+    return [Arrival(f"r{i}", prefix + tokens(rng, n), 8) for i, n in enumerate([17, 26, 32, 35])]
+
+
+def second_long_prompt(rng, tiny):
+    """A 200-token prompt, then a 150-token one while the first still prefills, in 10 blocks of 32 under a
+    budget of 96: the second is admitted only once blocks for its whole prompt are free."""
+    return [Arrival("long", tokens(rng, 200), 20), Arrival("later", tokens(rng, 150), 20, step=2)]
+
+
+def eviction_order(rng, tiny):
+    """Three finished prompts leave their blocks cached; a fourth, new prompt evicts some of them; a repeat
+    of each earlier prompt then finds exactly the blocks both engines kept."""
+    prompts = [tokens(rng, 96) for _ in range(3)]
+    first = [Arrival(f"p{i}", prompt, 2, step=i * 6) for i, prompt in enumerate(prompts)]
+    return first + [Arrival("new", tokens(rng, 120), 2, step=20)] + [
+        Arrival(f"again{i}", prompt + tokens(rng, 5), 2, step=30 + i * 6) for i, prompt in enumerate(prompts)]
+
+
+def preempted_with_shared_blocks(rng, tiny):
+    """Requests sharing a 64-token prefix outgrow a small pool: a preempted request gives back blocks the
+    others still hold, and finds them again when it returns."""
+    prefix = tokens(rng, 64)
+    return [Arrival(f"r{i}", prefix + tokens(rng, 8), 60, step=i) for i in range(4)]
+
+
 # name -> (workload, Engine's keywords, a check that the workload did what it is there for)
 WORKLOADS = {
     "shared_system_prompt": (shared_system_prompt,
@@ -114,6 +145,17 @@ WORKLOADS = {
     "max_num_seqs": (queue_behind_max_num_seqs,
                      dict(num_blocks=16, max_num_seqs=2, max_num_batched_tokens=64),
                      lambda records: max(len(r.scheduled) for r in records) == 2),
+    "shared_prefix_same_step": (shared_prefix_same_step, dict(num_blocks=40, max_num_batched_tokens=512),
+                                lambda records: sum(records[0].hits.values()) == 3 * 64),
+    "second_long_prompt": (second_long_prompt, dict(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=96),
+                           lambda records: not any(r.preempted for r in records)
+                           and "later" not in records[2].scheduled),
+    "eviction_order": (eviction_order, dict(num_blocks=12, max_num_seqs=8, max_num_batched_tokens=128),
+                       lambda records: any(r.hits.get("again0") for r in records)
+                       and any(r.cached_free_blocks for r in records)),
+    "preempted_with_shared_blocks": (preempted_with_shared_blocks,
+                                     dict(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=64),
+                                     lambda records: any(r.preempted for r in records)),
 }
 
 
@@ -133,21 +175,50 @@ def test_same_tokens_and_same_schedule_as_vllm(name, tiny, vllm):
     assert happened(ours), f"workload {name} did not exercise what it is there for"
 
 
-def test_watermark_is_pagedlibs_own(tiny, vllm):
-    """pagedlib keeps 1% of the blocks free when it admits a request (vLLM V0's watermark, which notebook 07
-    teaches): so that running requests can grow without preempting at once. vLLM V1 admits a request as long
-    as its blocks are free. Below 100 blocks 1% rounds to none, so the comparisons above agree; at 100
-    blocks, a request that needs exactly the last free blocks is admitted by vLLM and waits in pagedlib."""
-    rng = random.Random(7)
-    workload = [Arrival(f"r{i}", tokens(rng, 470), 2) for i in range(6)]
-    workload.append(Arrival("last", tokens(rng, 300), 2))
-    engine = engine_for(tiny, 100, max_num_seqs=8, max_num_batched_tokens=4096)
-    assert engine.watermark_blocks == 1
+def random_workload(seed: int) -> tuple[list[Arrival], dict]:
+    """A seeded workload and pool: arrivals over a few steps, prompts that share prefixes (or not), lengths
+    across block boundaries, pools from tight to roomy, budgets from one block up."""
+    rng = random.Random(seed)
+    prefixes = [tokens(rng, rng.randrange(1, 80)) for _ in range(rng.randrange(1, 4))]
+    workload = []
+    for i in range(rng.randrange(2, 7)):
+        prompt = tokens(rng, rng.randrange(1, 90))
+        if rng.random() < 0.6:
+            prompt = rng.choice(prefixes) + prompt
+        workload.append(Arrival(f"r{i}", prompt, rng.randrange(1, 30), step=rng.randrange(0, 12)))
+    longest = max(len(a.prompt) + a.max_new_tokens for a in workload)
+    num_blocks = -(-longest // BLOCK) + rng.randrange(0, 12)
+    options = dict(num_blocks=num_blocks, max_num_seqs=rng.choice([2, 4, 8]),
+                   max_num_batched_tokens=rng.choice([32, 48, 64, 96, 256]),
+                   enable_prefix_caching=rng.random() < 0.8)
+    if rng.random() < 0.3:
+        options["long_prefill_token_threshold"] = rng.choice([16, 32, 40])
+    return workload, options
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_workloads_have_the_same_schedule_as_vllm(seed, tiny, vllm):
+    workload, options = random_workload(seed)
+    engine = engine_for(tiny, **options)
     ours, our_tokens = run_engine(engine, workload)
     theirs, their_tokens = vllm.run(config_of(engine), workload)
     assert our_tokens == their_tokens
-    assert "last" in theirs[0].scheduled and theirs[0].free_blocks == 0
-    assert "last" not in ours[0].scheduled and ours[0].free_blocks == 10
+    assert differences(ours, theirs) == []
+
+
+def test_the_watermark_is_applied_alike(tiny, vllm):
+    """With ``watermark=0.05`` (config_of passes it to vLLM's ``SchedulerConfig.watermark``), both engines
+    keep 5 of 100 blocks free when they admit a request while another runs: the same steps."""
+    rng = random.Random(7)
+    workload = [Arrival(f"r{i}", tokens(rng, 470), 2) for i in range(6)]
+    workload.append(Arrival("last", tokens(rng, 300), 2))
+    engine = engine_for(tiny, 100, max_num_seqs=8, max_num_batched_tokens=4096, watermark=0.05)
+    assert engine.watermark_blocks == 5
+    ours, our_tokens = run_engine(engine, workload)
+    theirs, their_tokens = vllm.run(config_of(engine), workload)
+    assert our_tokens == their_tokens
+    assert differences(ours, theirs) == []
+    assert "last" not in ours[0].scheduled and ours[0].free_blocks < 10 + 5
 
 
 def test_whole_prompts_are_pagedlibs_own(tiny, vllm):
@@ -183,13 +254,12 @@ def test_radix_tree_is_sglangs_not_vllms(tiny, vllm):
     assert [r.hits["second"] for r in theirs if "second" in r.hits] == [32]
 
 
-def test_difference_a_block_becomes_findable_once_its_k_v_are_written(tiny, vllm):
-    """Deliberate difference. Two requests with one 40-token system prompt arrive together. vLLM registers
-    a full block's hash when the block is scheduled (``KVCacheManager.allocate_slots``), so the second
-    request finds the first block, which the first request computes in the same forward pass. pagedlib
-    makes a block findable only once every layer has written its K/V (``BlockManager.reserve`` registers
-    after the forward pass), so that a step interrupted midway leaves no block registered with half-written
-    K/V (issue 30, defect 2): its second request computes the block itself. Same tokens either way."""
+def test_a_block_is_findable_once_it_is_scheduled_as_in_vllm(tiny, vllm):
+    """Two requests with one 40-token system prompt arrive together. vLLM registers a full block's hash when
+    the block is scheduled (``KVCacheManager.allocate_slots``), and so does pagedlib's scheduler: the second
+    request finds the first block, which the first computes in the same forward pass (each layer writes its
+    K/V before it attends). A step whose forward pass raises is undone, so no such block outlives it
+    (``tests/test_engine.py``)."""
     rng = random.Random(10)
     system = tokens(rng, 40)
     workload = [Arrival(f"r{i}", system + tokens(rng, 12), 4) for i in range(2)]
@@ -197,8 +267,8 @@ def test_difference_a_block_becomes_findable_once_its_k_v_are_written(tiny, vllm
     ours, our_tokens = run_engine(engine, workload)
     theirs, their_tokens = vllm.run(config_of(engine), workload)
     assert our_tokens == their_tokens
-    assert theirs[0].hits == {"r0": 0, "r1": 32}
-    assert ours[0].hits == {"r0": 0, "r1": 0}
+    assert ours[0].hits == theirs[0].hits == {"r0": 0, "r1": 32}
+    assert differences(ours, theirs) == []
 
 
 def test_bench_generate_has_a_vllm_row_with_the_same_tokens(tmp_path, capsys):
@@ -216,3 +286,57 @@ def test_bench_generate_has_a_vllm_row_with_the_same_tokens(tmp_path, capsys):
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["vllm"]["same_tokens"] == "yes" and rows["vllm"]["startup_s"] > 0
     assert "startup_s" not in rows["engine"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the worker: interrupted, refused and stopped without lying (issue 37, defects 1-3)
+
+
+def small_job(name: str, tiny) -> tuple[BridgeConfig, list[Arrival]]:
+    rng = random.Random(sum(map(ord, name)))
+    workload = [Arrival(f"{name}{i}", tokens(rng, 20 + 7 * i), 3) for i in range(2)]
+    return config_of(engine_for(tiny, 8, max_num_seqs=4, max_num_batched_tokens=64)), workload
+
+
+def as_job(config: BridgeConfig, workload: list[Arrival]) -> dict:
+    return {"config": dataclasses.asdict(config), "workload": [dataclasses.asdict(a) for a in workload]}
+
+
+def test_an_answer_left_by_an_interrupted_job_is_never_returned_for_the_next(tiny, vllm):
+    """Defect 1: a job whose caller was interrupted (sent, never read) still answers later; the next job
+    gets its own answer, and so does the one after."""
+    config, first = small_job("a", tiny)
+    _, second = small_job("b", tiny)
+    vllm.send(as_job(config, first))
+    for workload in (second, first):
+        _, their_tokens = vllm.run(config, workload)
+        assert sorted(their_tokens) == sorted(a.name for a in workload)
+
+
+def test_a_refused_job_leaves_nothing_behind_for_the_next(tiny, vllm):
+    """Defect 2: a job vLLM refuses (a prompt longer than its max_model_len) raises, and the next job's
+    tokens are its own and right: vLLM is built afresh after a failure."""
+    config, workload = small_job("c", tiny)
+    too_long = workload + [Arrival("huge", [1] * (config.num_blocks * config.block_size + 10), 2)]
+    with pytest.raises(RuntimeError, match="vLLM: "):
+        vllm.run(config, too_long)
+    engine = engine_for(tiny, 8, max_num_seqs=4, max_num_batched_tokens=64)
+    _, our_tokens = run_engine(engine, workload)
+    assert vllm.run(config, workload)[1] == our_tokens
+
+
+def test_a_job_that_outlives_its_timeout_or_its_with_block_stops_the_worker(tiny):
+    """Defect 3: a timeout stops the worker and says so; leaving a ``with`` block by an exception (a
+    Ctrl-C) stops the worker at once, whatever it was doing."""
+    config, workload = small_job("d", tiny)
+    worker = VllmWorker()
+    with pytest.raises(TimeoutError, match="make a new VllmWorker"):
+        worker.job(as_job(config, workload), timeout=0.05)
+    assert worker.process.poll() is not None
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.run(config, workload)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), VllmWorker() as busy:
+        busy.send(as_job(config, workload))
+        raise KeyboardInterrupt
+    assert busy.process.poll() is not None and time.monotonic() - start < 30

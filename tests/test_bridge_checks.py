@@ -1,0 +1,86 @@
+"""What the vLLM bridge and the scheduler refuse before anything runs (issue 37): these need no vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.request import Request
+from pagedlib.core.scheduler import Scheduler
+from pagedlib.engine import Engine
+from pagedlib.model import PagedLlama
+from pagedlib.sim.simulate import sim_step
+from pagedlib.vllm_bridge import Arrival, StepRecord, config_of, differences, run_engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return PagedLlama.from_hf(tiny_llama())
+
+
+def test_config_of_refuses_what_vllm_would_run_differently(model):
+    """Defects 4, 17: a non-engine is a TypeError; an fp8 cache or a block size vLLM's CPU backend does not
+    take is refused by name; every setting that changes a decision is passed."""
+    with pytest.raises(TypeError, match="must be a pagedlib Engine"):
+        config_of(object())
+    fp8 = Engine(model, 8, 32, max_num_batched_tokens=64, max_num_seqs=4, kv_cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        config_of(fp8)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        config_of(Engine(model, 8, 16, max_num_batched_tokens=64, max_num_seqs=4))
+    engine = Engine(model, 8, 32, max_num_batched_tokens=64, max_num_seqs=4, watermark=0.25,
+                    long_prefill_token_threshold=40, full_prompt_must_fit=False)
+    config = config_of(engine)
+    assert (config.watermark, config.long_prefill_token_threshold, config.scheduler_reserve_full_isl,
+            config.dtype) == (0.25, 40, False, "float32")
+
+
+def test_run_engine_checks_the_whole_workload_before_it_runs(model):
+    """Defects 6, 7: a repeated name or a request the engine refuses is found before any request runs."""
+    engine = Engine(model, 8, 32, max_num_batched_tokens=64, max_num_seqs=4)
+    ok = Arrival("a", [1, 2, 3], 2)
+    for workload, error, match in [([ok, Arrival("a", [4], 2)], ValueError, "names 'a' twice"),
+                                   ([ok, Arrival("b", [4], 0, step=3)], ValueError, "max_new_tokens"),
+                                   ([ok, ("b", [4], 2)], TypeError, "Arrival")]:
+        with pytest.raises(error, match=match):
+            run_engine(engine, workload)
+        assert not engine.has_unfinished() and engine.stats.steps == 0
+
+
+def test_differences_compares_block_identity_over_the_whole_run():
+    """Defect 20: block ids are renamed once per run, so a request that gets back another block than the
+    other engine's is a difference; raw dicts are refused."""
+    ours = [StepRecord(blocks={"a": [3]}), StepRecord(blocks={"b": [3]})]       # b reuses a's block
+    theirs = [StepRecord(blocks={"a": [7]}), StepRecord(blocks={"b": [8]})]     # b gets another
+    assert differences(ours, theirs) == ["step 1 blocks: pagedlib {'b': [0]}, vLLM {'b': [1]}"]
+    assert differences(ours, [StepRecord(blocks={"a": [5]}), StepRecord(blocks={"b": [5]})]) == []
+    with pytest.raises(TypeError, match="StepRecord"):
+        differences([{"blocks": {}}], ours)
+
+
+def test_a_plan_is_taken_once_and_its_tokens_are_checked():
+    """Defects 10, 22, 23: ``update`` takes the open plan once, with one token id (an int >= 0) per row;
+    a request finished already cannot be finished again; nothing changes the queues while a plan is open."""
+    sched = Scheduler(PagedKVCache(8, 1, 4, 1, 1), max_model_len=32)
+    sched.add(Request(0, 0, 3, 2))
+    sched.add(Request(1, 0, 2, 1))
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError, match="plan is open"):
+        sched.schedule()
+    with pytest.raises(RuntimeError, match="plan is open"):
+        sched.abort(0)
+    for bad, match in [([1], "must hold 2 tokens"), ([1, -1], r"sampled\[1\] must be >= 0"),
+                       ([1, 2.5], "must be an int"), (None, "list of 2 token ids")]:
+        with pytest.raises(ValueError, match=match):
+            sched.update(plan, bad)
+    finished = sched.update(plan, [5, 6])
+    assert [r.req_id for r in finished] == [1]
+    with pytest.raises(ValueError, match="open plan"):
+        sched.update(plan, [5, 6])
+    with pytest.raises(ValueError, match="finished already"):
+        sched.finish(finished[0])
+    while sched.has_unfinished:
+        sim_step(sched)
+    assert sched.cache.num_free_blocks == 8
