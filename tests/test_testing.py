@@ -1,5 +1,6 @@
 """``pagedlib.testing``: the invariant checks find what notebook 06's invariants 5 and 6 forbid, each prefix
-cache's own way, and the functions are the cache's methods (a test may call either)."""
+cache's own way, including the corruptions that would make a lookup return wrong K/V (issue 37, defects 11
+and 12)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,40 @@ def test_the_looks_inside_read_the_cache_they_are_given():
     assert testing.holders(cache.manager)[:3] == [[("a", 0)], [("a", 1)], [("a", 2)]]
     assert testing.check_radix_cache(cache.prefix_cache, cache.manager) is None
     assert "3 used, 5 free" in repr(cache)
+
+
+def _free_cached_block_onto_the_stack(cache):
+    """Free "a" (its 2 full blocks wait, findable, in the queue), then move one onto the plain free stack."""
+    cache.free_sequence("a")
+    block = next(iter(cache.prefix_cache.free_queue))
+    del cache.prefix_cache.free_queue[block]
+    cache.free.append(block)
+    return block
+
+
+@pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
+def test_a_findable_block_on_the_plain_free_stack_is_caught(prefix_cache):
+    """Defects 11, 12: the next allocation would overwrite a block a lookup still finds."""
+    cache = cache_with(prefix_cache)
+    block = _free_cached_block_onto_the_stack(cache)
+    with pytest.raises(InvariantError, match=rf"^6: cached blocks \[{block}\] are on the plain free stack"):
+        check_invariants(cache)
+
+
+def test_a_registered_partly_filled_block_is_caught():
+    """Defect 11: a key on the partly filled third block of "a" (tokens 8 only) would be found by a prompt
+    that shares just that token."""
+    cache = cache_with("hash")
+    third = cache.tables["a"][2]
+    cache.prefix_cache.register(third, cache.tables["a"][1], [8, 9, 10, 11])
+    with pytest.raises(InvariantError, match=f"^6: block {third}, partly filled in sequence 'a', has a key"):
+        check_invariants(cache)
+
+
+def test_block_and_key_maps_that_disagree_are_caught():
+    """Defect 11: a block whose key names another block."""
+    cache = cache_with("hash")
+    first, second = cache.tables["a"][:2]
+    cache.prefix_cache.keys[second] = cache.prefix_cache.keys[first]
+    with pytest.raises(InvariantError, match="^6: key .* whose own keys differ"):
+        check_invariants(cache)

@@ -335,8 +335,22 @@ def test_a_job_that_outlives_its_timeout_or_its_with_block_stops_the_worker(tiny
     assert worker.process.poll() is not None
     with pytest.raises(RuntimeError, match="stopped"):
         worker.run(config, workload)
+    worker.close()                                                     # defect 9: closing again is fine
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt), VllmWorker() as busy:
         busy.send(as_job(config, workload))
         raise KeyboardInterrupt
     assert busy.process.poll() is not None and time.monotonic() - start < 30
+
+
+def test_a_worker_that_died_says_so_and_closes(tiny):
+    """Defect 9: a worker killed from outside gives "exited" (or "stopped") with vLLM's log, not a raw
+    BrokenPipeError, and ``close()`` succeeds."""
+    config, workload = small_job("e", tiny)
+    worker = VllmWorker()
+    worker.process.kill()
+    worker.process.wait()
+    with pytest.raises(RuntimeError, match="stopped|exited"):
+        worker.run(config, workload)
+    worker.close()
+    assert worker.process.poll() is not None
