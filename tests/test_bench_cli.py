@@ -17,6 +17,10 @@ BAD_RUN_OPTIONS = [
     ["--threads", "0"],
     ["--device", "tpu"],
     ["--json", "/nonexistent-folder/out.json"],
+    ["--threads", "100000"],                 # issue 37, defect 14: bounded by the CPU count
+    ["--json", ""],                          # defect 30: nothing would be written
+    ["--json", "/dev/full"],                 # defect 29: not a regular file
+    ["--json", "/proc/x.json"],              # defect 29: /proc takes no new file, even from root
 ]
 
 
@@ -90,3 +94,15 @@ def test_a_run_larger_than_the_machine_is_a_usage_error_before_any_allocation(ar
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "GiB, more than the" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "1000000000"], "exceeds the model's 4096 positions"),
+    (["--num-requests", "100000", "--max-prompt", "2000", "--hidden", "8192", "--heads", "64",
+      "--kv-heads", "64"], "needs about"),
+])
+def test_generate_sizes_are_checked_before_the_run(flags, message, capsys):
+    """Issue 37, defect 13: a huge run of ``bench generate`` is a usage error before any work."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -36,6 +36,7 @@ import torch
 from pagedlib.bench.timing import (
     DTYPES,
     add_run_arguments,
+    check_fits,
     default_device,
     environment,
     num_threads,
@@ -52,6 +53,7 @@ COLUMNS = ["method", "requests", "new_tokens", "seconds", "tokens_per_s", "speed
 # vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py) takes block sizes that are multiples of 32
 # and these head sizes only
 VLLM_BLOCK_SIZE = 32
+MAX_POSITIONS = 4096  # the random model's max_position_embeddings: a prompt and its new tokens fit in it
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
@@ -81,9 +83,27 @@ def check_flags(args: argparse.Namespace, usage_error: Callable[[str], Any]) -> 
         usage_error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.hidden % args.heads or args.hidden // args.heads % 2:
         usage_error(f"--hidden {args.hidden} must be --heads {args.heads} x an even head size (rotary pairs)")
+    if args.max_prompt + args.max_new_tokens > MAX_POSITIONS:
+        usage_error(f"--max-prompt {args.max_prompt} + --max-new-tokens {args.max_new_tokens} exceeds the "
+                    f"model's {MAX_POSITIONS} positions")
+    sizes = ("this run (--num-requests, --max-prompt, --max-new-tokens, --hidden, --layers, --intermediate, "
+             "--vocab)")
+    check_fits(run_bytes(args), sizes, default_device(args.device), usage_error)
     triton = default_device(args.device) == "cuda"                     # then engine_triton runs too
     if triton and (args.block_size & (args.block_size - 1) or args.block_size > 128):
         usage_error(f"--block-size {args.block_size} must be a power of two up to 128 on CUDA (Triton)")
+
+
+def run_bytes(args: argparse.Namespace) -> int:
+    """About what a run holds at once: the weights three times (transformers', PagedLlama's, vLLM's) and
+    every request's K/V at its longest twice (the engine's pool, transformers' cache)."""
+    head_dim = args.hidden // args.heads
+    params = 2 * args.vocab * args.hidden + args.layers * (
+        2 * args.hidden * args.hidden + 2 * args.hidden * args.kv_heads * head_dim
+        + 3 * args.hidden * args.intermediate)
+    per_token = 2 * args.layers * args.kv_heads * head_dim
+    kv = args.num_requests * (args.max_prompt + args.max_new_tokens) * per_token
+    return (3 * params + 2 * kv) * DTYPES[args.dtype].itemsize
 
 
 def build(args: argparse.Namespace, device: str) -> tuple[Any, list[list[int]]]:
@@ -94,7 +114,7 @@ def build(args: argparse.Namespace, device: str) -> tuple[Any, list[list[int]]]:
     torch.manual_seed(args.seed)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=MAX_POSITIONS,
                          initializer_range=0.25, eos_token_id=None, pad_token_id=0)
     hf = LlamaForCausalLM(config).to(device, DTYPES[args.dtype]).eval()
     hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0

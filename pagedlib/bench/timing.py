@@ -151,13 +151,36 @@ def check_fits(nbytes: int, what: str, device: str, usage_error: Callable[[str],
 
 
 def writable_path(text: str) -> str:
-    """argparse ``type=``: a file path whose folder exists and is writable, checked before the run."""
+    """argparse ``type=``: a regular file the run can write, checked by opening it before the run (a file
+    created by the check is removed again)."""
     import os
 
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: name the file to write")
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} is not a writable folder")
+    existed = os.path.exists(text)
+    if existed and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: not a regular file")
+    try:
+        open(text, "a").close()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {error.strerror}") from None
+    if not existed:
+        os.remove(text)
     return text
+
+
+def thread_count(text: str) -> int:
+    """argparse ``type=``: torch threads, from 1 to the CPUs this machine has."""
+    import os
+
+    threads = _int_at_least(text, 1)
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        raise argparse.ArgumentTypeError(f"{threads} threads: this machine has {cpus} CPUs")
+    return threads
 
 
 def device_name(text: str) -> str:
@@ -176,7 +199,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, repeats: int, repeats_help:
     p.add_argument("--device", type=device_name, default=None,
                    help="cpu or cuda (default: cuda if available)")
     p.add_argument("--repeats", type=positive_int, default=repeats, help=repeats_help)
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="torch CPU threads during the run (default: torch's own choice); 1 gives steadier "
                         "numbers on a busy machine")
     p.add_argument("--json", metavar="FILE", type=writable_path,
