@@ -49,9 +49,10 @@ def read_notebook(path: Path) -> dict:
         source = cell.get("source")
         if not isinstance(source, (str, list)) or not all(isinstance(line, str) for line in source):
             fail(f"{path}: cell {number} has no text 'source'", 1)
-        outputs = cell.get("outputs", [])
+        outputs = cell.get("outputs", [] if cell["cell_type"] != "code" else None)
         if not isinstance(outputs, list) or not all(isinstance(output, dict) for output in outputs):
-            fail(f"{path}: cell {number} has 'outputs' that are not a list of objects", 1)
+            fail(f"{path}: cell {number} has 'outputs' that are not a list of objects (a code cell needs "
+                 f"its list, empty or not)", 1)
     return nb
 
 
@@ -69,6 +70,15 @@ def read_chapters(notebooks: Path) -> list[tuple[Path, dict]]:
             fail(f"{path}: {error}", 1)
         chapters.append((path, nb))
     return chapters
+
+
+def check_outside_sources(folder: Path) -> None:
+    """Refuse (exit 2) an output folder inside ``site/`` or ``notebooks/``: the next build would copy it as a
+    source, and Sphinx would read it."""
+    for sources in (SITE, NOTEBOOKS):
+        if folder == sources or sources in folder.parents:
+            fail(f"refusing to build into {folder}: it is inside {sources}, which the build reads; give a "
+                 f"folder elsewhere (default build/site)", 2)
 
 
 def check_replaceable(folder: Path) -> None:
@@ -123,19 +133,32 @@ def stage(src: Path, notebooks: list[tuple[Path, dict]]) -> list[tuple[str, str]
 
 def chapter_table(chapters: list[tuple[str, str]]) -> str:
     """The landing page's chapter table and the (hidden) toctree that orders the pages."""
-    rows = [f"| {name[:2]} | [{t.split('·', 1)[-1].strip().replace('|', '&#124;')}]({name}.ipynb) |"
+    rows = [f"| {name[:2]} | [{_escape(t.split('·', 1)[-1].strip())}](<{name}.ipynb>) |"
             for name, t in chapters]
     toc = "\n".join([*(name for name, _ in chapters), "glossary"])
     return "\n".join(["| # | chapter |", "|---|---|", *rows, "", "```{toctree}", ":hidden:",
                       ":maxdepth: 1", "", toc, "```"])
 
 
+def _escape(text: str) -> str:
+    """A title as the text of a markdown link in a table cell: brackets and bars kept literal."""
+    for char, escaped in (("\\", "\\\\"), ("[", "\\["), ("]", "\\]"), ("|", "&#124;")):
+        text = text.replace(char, escaped)
+    return text
+
+
 def main(out: Path) -> None:
+    if out.is_symlink():  # before resolve(), which would build into the link's target
+        fail(f"refusing to build into {out}: it is a symbolic link", 2)
+    out = out.resolve()
     src = out.with_name(out.name + "-src")
+    executed = out.parent / "jupyter_execute"  # where myst-nb writes beside the output; removed if new
+    executed_before = executed.exists()
     # Everything is checked before anything is deleted or written.
     notebooks = read_chapters(NOTEBOOKS)
-    check_replaceable(out)
-    check_replaceable(src)
+    for folder in (out, src):
+        check_outside_sources(folder)
+        check_replaceable(folder)
     fresh_folder(src)
     chapters = stage(src, notebooks)
     index = src / "index.md"
@@ -144,6 +167,8 @@ def main(out: Path) -> None:
     # -W: a warning (a broken link, a missing image) fails the build; -q: only warnings are printed
     sphinx = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-E",
                              str(src), str(out)])
+    if not executed_before:
+        shutil.rmtree(executed, ignore_errors=True)
     if sphinx.returncode != 0:
         fail(f"Sphinx could not build {src} into {out} (its messages are above)", 1)
     print(f"site: {len(chapters)} chapters -> {out / 'index.html'}")
@@ -153,6 +178,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 2:
         fail("usage: python site/build.py [OUT] (one output folder, default build/site)", 2)
     if len(sys.argv) == 2:
-        main(Path(sys.argv[1]).resolve())
+        main(Path(sys.argv[1]))
     else:
         main(ROOT / "build" / "site")

@@ -131,14 +131,44 @@ TITLED = json.dumps({"cells": [{"cell_type": "markdown", "source": ["# 01 · A t
     (json.dumps({"cells": [3]}), "cell 0 has no 'cell_type'"),
     (json.dumps({"cells": [{"cell_type": "code", "source": [1]}]}), "cell 0 has no text 'source'"),
     (json.dumps({"cells": [{"cell_type": "code", "source": "", "outputs": [1]}]}), "cell 0 has 'outputs'"),
+    (json.dumps({"cells": [{"cell_type": "code", "source": ""}]}), "a code cell needs its list"),
     (json.dumps({"cells": [{"cell_type": "markdown", "source": "no"}]}), "a chapter needs a '# ' title"),
-], ids=["json", "no-cells", "a-list", "cell", "source", "outputs", "title"])
+], ids=["json", "no-cells", "a-list", "cell", "source", "outputs", "no-outputs", "title"])
 def test_builder_names_the_notebook_it_cannot_read(tmp_path, text, message):
     repo = _repo_copy(tmp_path, {"01_good.ipynb": TITLED, "02_bad.ipynb": text})
     result = _build(repo, str(tmp_path / "out"))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"{repo / 'notebooks' / '02_bad.ipynb'}: " in result.stderr and message in result.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out-src").exists()
+
+
+@pytest.mark.parametrize("inside", ["site/out", "notebooks/out", "site"])
+def test_builder_refuses_an_output_folder_inside_its_sources(tmp_path, inside):
+    """Issue 37, defect 15: ``site/out`` was built, then copied as a source by every later build."""
+    repo = _repo_copy(tmp_path, {"01_good.ipynb": TITLED})
+    result = _build(repo, str(repo / inside))
+    assert result.returncode == 2 and "which the build reads" in result.stderr, result.stderr
+    assert sorted(p.name for p in (repo / "site").iterdir()) == ["build.py"]
+
+
+def test_builder_refuses_a_symbolic_link_as_its_output(tmp_path):
+    """Defect 31: the link was resolved first, and the build went into its target."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    result = _build(ROOT, str(tmp_path / "link"))
+    assert result.returncode == 2 and "symbolic link" in result.stderr
+    assert list((tmp_path / "target").iterdir()) == []
+
+
+def test_the_chapter_table_keeps_odd_names_and_titles_literal():
+    """Defect 32: a file name with a space, a title with brackets or a bar, each a working row."""
+    sys.path.insert(0, str(ROOT / "site"))
+    try:
+        import build
+    finally:
+        sys.path.pop(0)
+    table = build.chapter_table([("13 a b", "13 · Beyond [one] pool | more")])
+    assert "| 13 | [Beyond \\[one\\] pool &#124; more](<13 a b.ipynb>) |" in table
 
 
 @pytest.mark.parametrize("notebooks", [None, {}, {"notes.ipynb": TITLED}],
@@ -163,6 +193,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = _build(ROOT, str(out))
     assert result.returncode == 0, result.stderr
     assert not (out / "stale.html").exists(), "the earlier build's pages are gone"
+    assert not (out.parent / "jupyter_execute").exists(), "defect 33: myst-nb's folder beside it is removed"
     return out
 
 
