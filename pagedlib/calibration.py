@@ -17,12 +17,16 @@ def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_h
     head_dim]``, finite; ``per_kv_head``: float32 ``[kv_heads]``, else a float. An all-zero head gets 1.0."""
     check_calibration(x, dtype, per_kv_head)
     # [kv_heads, all the rest]
-    heads = x.detach().abs().float().movedim(-2, 0).flatten(1)
+    heads = x.detach().abs().double().movedim(-2, 0).flatten(1)  # float64: a float64 x's range survives
     amax = heads.amax(1)                                                       # [kv_heads]
     if not per_kv_head:
         amax = amax.max()[None]                                                # [1]
     if not bool(amax.isfinite().all()):  # amax carries any NaN or inf of x through
         raise ValueError("x must hold finite values to set a scale from, got NaN or inf in it")
+    if bool((amax / torch.finfo(dtype).max > torch.finfo(torch.float32).max).any()):
+        raise ValueError(f"x's largest magnitude, {float(amax.max()):.3g}, needs a scale beyond float32's "
+                         f"range (the cache keeps float32 scales)")
+    amax = amax.float()  # the float32 max of x, as x.float() would give it
     # a positive amax so small that amax / top rounds to 0 still needs a scale > 0
     scale = (amax / torch.finfo(dtype).max).clamp_min(torch.finfo(torch.float32).tiny)
     scale = torch.where(amax > 0, scale, 1.0)

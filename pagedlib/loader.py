@@ -7,6 +7,8 @@ call it, so it never imports ``pagedlib.model`` (it takes the model instance, re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,6 +20,8 @@ from pagedlib import checks
 def shape_fields(config: Any) -> dict[str, Any]:
     """``LlamaShape``'s fields, read from a transformers config (``ValueError`` naming a field this model
     does not implement). Missing optional fields take transformers' defaults."""
+    if isinstance(config, Mapping):  # a config.json read as a dict, or config.to_dict()
+        config = SimpleNamespace(**{"num_key_value_heads": None, **config})
     checks.check_hf_config(config)
     rope = getattr(config, "rope_parameters", None) or {}  # newer transformers keep rope_theta here
     heads = config.num_attention_heads
@@ -57,6 +61,11 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], dtype: t
             state[name.removeprefix("model.")] = weight
     if model.shape.tie_word_embeddings and "embed_tokens.weight" in state:
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    own = model.state_dict()
+    for name, weight in state.items():
+        if name in own and tuple(weight.shape) != tuple(own[name].shape):
+            raise ValueError(f"weight {name} has shape {tuple(weight.shape)}, the config makes it "
+                             f"{tuple(own[name].shape)} (a state_dict of another model?)")
     missing, unexpected = model.load_state_dict(state, strict=False)
     checks.check_weights(missing, unexpected)
     return model.to(dtype=dtype, device=device).eval().requires_grad_(False)

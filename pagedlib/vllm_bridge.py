@@ -192,14 +192,19 @@ def build_llm(config: BridgeConfig) -> Any:
     """A vLLM engine with ``config``'s pool, budget and prefix caching, no CUDA graphs, no tokenizer."""
     from vllm import LLM
 
-    capacity = config.num_blocks * config.block_size
     return LLM(model=config.model, skip_tokenizer_init=True, dtype=config.dtype, seed=0, enforce_eager=True,
                block_size=config.block_size, num_gpu_blocks_override=config.num_blocks + 1,  # + null block
-               max_model_len=min(capacity, _max_positions(config.model)),
+               max_model_len=max_model_len(config),
                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05,
                long_prefill_token_threshold=config.long_prefill_token_threshold, watermark=config.watermark,
                scheduler_reserve_full_isl=config.scheduler_reserve_full_isl)
+
+
+def max_model_len(config: BridgeConfig) -> int:
+    """vLLM's ``max_model_len`` for ``config``: the pool's tokens, at most the model's positions (vLLM wants
+    blocks for a whole request of that length)."""
+    return min(config.num_blocks * config.block_size, _max_positions(config.model))
 
 
 def _max_positions(model: str) -> int:
@@ -384,10 +389,16 @@ class VllmWorker:
         """``run_engine``'s records and tokens, from vLLM set up by ``config`` (the token ids checked against
         the model's vocabulary first)."""
         vocab = json.loads((Path(config.model) / "config.json").read_text())["vocab_size"]
+        limit = max_model_len(config)
         for arrival in workload:
             if any(not 0 <= token < vocab for token in arrival.prompt):
                 raise ValueError(f"request {arrival.name!r} has token ids outside the model's vocabulary "
                                  f"of {vocab}")
+            if len(arrival.prompt) + arrival.max_new_tokens > limit:
+                raise ValueError(f"request {arrival.name!r}: {len(arrival.prompt)} + "
+                                 f"{arrival.max_new_tokens} tokens exceed vLLM's max_model_len of {limit} "
+                                 f"(the pool, or the model's positions): vLLM would stop it early, where "
+                                 f"Engine, which never stores the last token, would not")
         answer = self.job({"config": asdict(config), "workload": [asdict(a) for a in workload]})
         return [StepRecord(**record) for record in answer["records"]], answer["tokens"]
 

@@ -256,6 +256,15 @@ def test_kv_scale_refuses_nan_and_inf(x, per_head):
         kv_scale(data, E4M3, per_head)
 
 
+def test_kv_scale_of_huge_float64_values_says_what_is_wrong():
+    """Issue 37, defect 28: finite float64 values of 1e300 were called "NaN or inf" (float32 overflowed);
+    the scale they need is beyond float32's range, and the error says so; 1e30 works in float64 too."""
+    huge = torch.full((3, 2, 4), 1e300, dtype=torch.float64)
+    with pytest.raises(ValueError, match="1e\\+300, needs a scale beyond float32's range"):
+        kv_scale(huge, E4M3)
+    assert kv_scale(torch.full((3, 2, 4), 1e30, dtype=torch.float64), E4M3) == pytest.approx(1e30 / 448)
+
+
 @pytest.mark.parametrize("bad", [torch.zeros(0, 2, 4), torch.ones(4), torch.ones(3, 2, 4, dtype=torch.int32),
                                  [[1.0]]], ids=["empty", "1-d", "int", "list"])
 def test_kv_scale_refuses_what_is_not_k_or_v(bad):

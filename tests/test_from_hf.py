@@ -87,6 +87,17 @@ def test_a_state_dict_of_other_weights_is_refused():
         PagedLlama.from_state_dict(hf.config, state)
 
 
+def test_a_config_as_a_dict_and_a_state_dict_of_other_sizes():
+    """Issue 37, defects 26 and 27: ``config.to_dict()`` (or a config.json read as a dict) is a config like
+    any other; a state_dict whose vocabulary differs from the config's is a ValueError naming the weight."""
+    hf = tiny_llama(vocab_size=32)
+    model = PagedLlama.from_state_dict(hf.config.to_dict(), hf.state_dict())
+    assert model.shape == PagedLlama.from_hf(hf).shape
+    other = tiny_llama(vocab_size=40).state_dict()
+    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(40, .*the config makes it \(32"):
+        PagedLlama.from_state_dict(hf.config, other)
+
+
 def test_float64_is_refused_when_the_model_or_engine_is_built():
     hf = tiny_llama(vocab_size=32)
     with pytest.raises(ValueError, match="float64"):

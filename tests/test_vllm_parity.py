@@ -318,8 +318,11 @@ def test_a_refused_job_leaves_nothing_behind_for_the_next(tiny, vllm):
     tokens are its own and right: vLLM is built afresh after a failure."""
     config, workload = small_job("c", tiny)
     too_long = workload + [Arrival("huge", [1] * (config.num_blocks * config.block_size + 10), 2)]
-    with pytest.raises(RuntimeError, match="vLLM: "):
+    with pytest.raises(ValueError, match="exceed vLLM's max_model_len"):     # defect 5: refused before
         vllm.run(config, too_long)
+    bad = dataclasses.replace(workload[0], prompt=[1] * 300)                # past vLLM's limits: refused
+    with pytest.raises(RuntimeError, match="vLLM: "):                        # inside vLLM, then rebuilt
+        vllm.job(as_job(dataclasses.replace(config, max_num_batched_tokens=64), [bad]))
     engine = engine_for(tiny, 8, max_num_seqs=4, max_num_batched_tokens=64)
     _, our_tokens = run_engine(engine, workload)
     assert vllm.run(config, workload)[1] == our_tokens
