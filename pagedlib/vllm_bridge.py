@@ -288,10 +288,11 @@ def serve(lines: Any, reply: Any) -> None:
         try:
             key = json.dumps(job["config"], sort_keys=True)
             start = time.perf_counter()
-            if key not in built:
+            fresh = key not in built
+            if fresh:
                 built.clear()
                 built[key] = build_llm(BridgeConfig(**job["config"]))
-            answer: dict[str, Any] = {"startup_s": time.perf_counter() - start}
+            answer: dict[str, Any] = {"startup_s": time.perf_counter() - start, "built": fresh}
             answer.update(_do(built[key], job))
         except Exception as error:          # the parent raises it with vLLM's log
             answer = {"error": f"{type(error).__name__}: {error}"}

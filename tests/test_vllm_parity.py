@@ -357,3 +357,37 @@ def test_a_worker_that_died_says_so_and_closes(tiny):
         worker.run(config, workload)
     worker.close()
     assert worker.process.poll() is not None
+
+
+def test_a_random_run_of_jobs_refused_interrupted_and_killed_never_mixes_answers(tiny):
+    """Issue 37's acceptance: 32 seeded jobs, each answered (with its own requests' tokens, equal to the
+    Engine's) or raising; some are interrupted (sent and never read), some refused inside vLLM, one kills the
+    worker; at most 5 vLLM start-ups."""
+    rng = random.Random(37)
+    config, _ = small_job("x", tiny)
+    worker, startups, answered = VllmWorker(), 0, 0
+    try:
+        for number in range(32):
+            kind = rng.choices(["run", "interrupt", "refuse", "kill"], [20, 8, 2, 1])[0]
+            if kind == "kill" and startups >= 4 or kind == "refuse" and startups >= 3:
+                kind = "run"
+            workload = [Arrival(f"j{number}r{i}", tokens(rng, rng.randrange(1, 60)), rng.randrange(1, 6))
+                        for i in range(rng.randrange(1, 4))]
+            if kind == "interrupt":
+                worker.send(as_job(config, workload))
+            elif kind == "refuse":
+                with pytest.raises(RuntimeError, match="vLLM: "):
+                    worker.job(as_job(config, [Arrival(f"j{number}", [1] * 300, 2)]))
+            elif kind == "kill":
+                worker.process.kill()
+                worker.close()
+                worker = VllmWorker()
+            else:
+                answer = worker.job(as_job(config, workload))
+                startups += answer["built"]
+                _, ours = run_engine(engine_for(tiny, 8, max_num_seqs=4, max_num_batched_tokens=64), workload)
+                assert answer["tokens"] == ours, f"job {number} got another job's answer"
+                answered += 1
+    finally:
+        worker.close()
+    assert answered >= 15 and startups <= 5
