@@ -328,7 +328,35 @@ def test_a_refused_job_leaves_nothing_behind_for_the_next(tiny, vllm):
     assert vllm.run(config, workload)[1] == our_tokens
 
 
-def test_a_job_that_outlives_its_timeout_or_its_with_block_stops_the_worker(tiny):
+def bridge_processes(*spared: VllmWorker) -> list[int]:
+    """Ids of this process's children that run the bridge's worker, from the process table (/proc), less
+    those of ``spared`` workers."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:                                   # it ended while we looked
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"pagedlib.vllm_bridge" in cmdline:
+            found.append(int(entry))
+    return sorted(set(found) - {worker.process.pid for worker in spared})
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_job(tiny, vllm):
+    """Defect 8: they reached vLLM (an IndexError inside it, then a worker that never answered)."""
+    config, workload = small_job("v", tiny)
+    bad = [*workload, Arrival("oov", [1, 2, 500], 2)]
+    with pytest.raises(ValueError, match="'oov' has token ids outside the model's vocabulary of 96"):
+        vllm.run(config, bad)
+    assert vllm.run(config, workload)[1].keys() == {a.name for a in workload}
+
+
+def test_a_job_that_outlives_its_timeout_or_its_with_block_stops_the_worker(tiny, vllm):
     """Defect 3: a timeout stops the worker and says so; leaving a ``with`` block by an exception (a
     Ctrl-C) stops the worker at once, whatever it was doing."""
     config, workload = small_job("d", tiny)
@@ -344,9 +372,10 @@ def test_a_job_that_outlives_its_timeout_or_its_with_block_stops_the_worker(tiny
         busy.send(as_job(config, workload))
         raise KeyboardInterrupt
     assert busy.process.poll() is not None and time.monotonic() - start < 30
+    assert bridge_processes(vllm) == [], "no worker outlives its with block (the process table)"
 
 
-def test_a_worker_that_died_says_so_and_closes(tiny):
+def test_a_worker_that_died_says_so_and_closes(tiny, vllm):
     """Defect 9: a worker killed from outside gives "exited" (or "stopped") with vLLM's log, not a raw
     BrokenPipeError, and ``close()`` succeeds."""
     config, workload = small_job("e", tiny)
@@ -356,10 +385,10 @@ def test_a_worker_that_died_says_so_and_closes(tiny):
     with pytest.raises(RuntimeError, match="stopped|exited"):
         worker.run(config, workload)
     worker.close()
-    assert worker.process.poll() is not None
+    assert worker.process.poll() is not None and bridge_processes(vllm) == []
 
 
-def test_a_random_run_of_jobs_refused_interrupted_and_killed_never_mixes_answers(tiny):
+def test_a_random_run_of_jobs_refused_interrupted_and_killed_never_mixes_answers(tiny, vllm):
     """Issue 37's acceptance: 32 seeded jobs, each answered (with its own requests' tokens, equal to the
     Engine's) or raising; some are interrupted (sent and never read), some refused inside vLLM, one kills the
     worker; at most 5 vLLM start-ups."""
@@ -391,3 +420,4 @@ def test_a_random_run_of_jobs_refused_interrupted_and_killed_never_mixes_answers
     finally:
         worker.close()
     assert answered >= 15 and startups <= 5
+    assert bridge_processes(vllm) == [], "every worker of the run is gone"
