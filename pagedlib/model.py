@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlib import checks, loader
-from pagedlib.core.cache import Batch, PagedKVCache
+from pagedlib.core.cache import Batch, PagedKVCache, padded_tables
 from pagedlib.kernels.varlen import Step, plan_varlen
 
 
@@ -220,8 +220,7 @@ class PagedLlama(nn.Module):
         flat_slots = [slot for sequence_slots in batch.slots for slot in sequence_slots]
         slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
         width = max(map(len, batch.block_tables))
-        rows = [table + [-1] * (width - len(table)) for table in batch.block_tables]
-        tables = torch.tensor(rows, dtype=torch.int32, device=device)       # [B, max_blocks]
+        tables = padded_tables(batch.block_tables, width, device)           # [B, max_blocks]
         plan = None
         if attention == "torch":
             shape = self.shape

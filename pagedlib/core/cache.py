@@ -47,6 +47,12 @@ class Batch:
         return sum(map(len, self.slots))
 
 
+def padded_tables(tables: list[list[int]], width: int, device: torch.device | str) -> torch.Tensor:
+    """int32 ``[len(tables), width]`` block tables, each padded with -1 (the attention kernels' layout)."""
+    rows = [table + [-1] * (width - len(table)) for table in tables]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width).to(device)
+
+
 class PagedKVCache:
     """Paged KV cache for ``num_layers`` layers: token ``p`` of sequence ``s`` lives in block
     ``tables[s][p // block_size]`` at offset ``p % block_size``, for every layer at once.
@@ -175,13 +181,8 @@ class PagedKVCache:
         """Checked ``BlockManager.reserve``: each sequence's new slots, copy-on-write copies made, the blocks
         they fill findable at once (the caller writes their K/V before anything reads them)."""
         ids, counts, tokens = checks.reservation(self, seq_ids, counts, token_ids)
-        record = self.manager.reserve(ids, counts, tokens)
-        try:
+        with self._reservation(ids, counts, tokens) as record:
             self.pool.copy_blocks(record.copies)
-        except BaseException:
-            self.manager.undo(record)
-            raise
-        self.manager.commit(record)
         return record.slots
 
     @contextmanager
@@ -192,9 +193,17 @@ class PagedKVCache:
         counts = [len(chunk) for chunk in chunks]
         tokens = [token for chunk in chunks for token in chunk]
         ids, counts, tokens = checks.reservation(self, seq_ids, counts, tokens)
-        record = self.manager.reserve(ids, counts, tokens)
-        try:
+        with self._reservation(ids, counts, tokens) as record:
             yield self.batch(ids, [list(chunk) for chunk in chunks], record.slots, record.copies)
+
+    @contextmanager
+    def _reservation(self, seq_ids: list, counts: list[int], token_ids: list[int] | None
+                     ) -> Iterator[Reservation]:
+        """``BlockManager.reserve``'s record, committed when the ``with`` block ends and undone if it raises:
+        the one all-or-nothing scope of ``reserve``, ``reserving`` and the appends."""
+        record = self.manager.reserve(seq_ids, counts, token_ids)
+        try:
+            yield record
         except BaseException:
             self.manager.undo(record)
             raise
@@ -210,15 +219,10 @@ class PagedKVCache:
     def _append(self, seq_ids: list, counts: list[int], k: torch.Tensor, v: torch.Tensor,
                 token_ids: list[int] | None) -> list[int]:
         """Reserve, copy and write K/V, all or nothing: the flat slots."""
-        record = self.manager.reserve(seq_ids, counts, token_ids)
-        flat = [slot for sequence_slots in record.slots for slot in sequence_slots]
-        try:
+        with self._reservation(seq_ids, counts, token_ids) as record:
+            flat = [slot for sequence_slots in record.slots for slot in sequence_slots]
             self.pool.copy_blocks(record.copies)
             self.pool.write(flat, k, v)
-        except BaseException:
-            self.manager.undo(record)
-            raise
-        self.manager.commit(record)
         return flat
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
@@ -234,9 +238,7 @@ class PagedKVCache:
     def block_table(self, seq_ids: Iterable[Hashable], width: int | None = None) -> torch.Tensor:
         """int32 ``[batch, width]`` block tables padded with -1 (``width``: default the longest)."""
         tables = [self.tables[seq_id] for seq_id in checks.live_ids(self, seq_ids)]
-        width = checks.width(tables, width)
-        rows = [table + [-1] * (width - len(table)) for table in tables]
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width).to(self.device)
+        return padded_tables(tables, checks.width(tables, width), self.device)
 
     def seq_lens_tensor(self, seq_ids: Iterable[Hashable]) -> torch.Tensor:
         """int32 ``[batch]`` lengths of ``seq_ids``, on the cache's device."""
