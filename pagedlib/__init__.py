@@ -8,8 +8,9 @@ Read it in the order the engine runs:
 - ``model``    ``PagedLlama``, a Llama decoder whose attention runs on the paged cache (08)
 - ``engine``   ``Engine``: continuous batching and greedy generation on the scheduler (08)
 - ``vllm_bridge`` vLLM itself stepped beside ``Engine`` on the same requests (12)
-- beside the engine, on no request's path: ``testing`` (looks inside a cache: invariants, state_diff,
-  the figures notebooks read), ``checks`` (argument checks), ``loader`` (a transformers model read in),
+- beside the engine, on no request's path: ``testing`` (looks inside a cache: invariants, state_diff),
+  ``figures`` (what notebooks read off a cache: tokens, utilization, hit rates, its printed text),
+  ``checks`` (argument checks), ``loader`` (a transformers model read in),
   ``calibration`` (fp8 scales from data), ``stats`` (what an ``Engine`` did)
 - ``sim``      the serving simulation (07, 09-11), with notebook 07's slab policies and sliding windows
 - ``teach``    what only the notebooks need; ``bench`` the benchmark commands (``python -m pagedlib.bench``)

@@ -176,16 +176,37 @@ def check_fits(engine: Any, name: str, request: Any) -> None:
                          f"blocks x {block_size} = {room} can ever hold")
 
 
-def check_idle(generating: int | None, in_step: bool) -> None:
-    """Refuse a call from a second thread (``generating``: the thread inside ``Engine.generate``), or from
-    inside a step (``in_step``): a cheap check, not a lock."""
-    if generating not in (None, threading.get_ident()):
+def check_idle(engine: Any) -> None:
+    """Refuse a call to ``engine`` from a second thread (``engine._generating``: the thread inside
+    ``generate``), or from inside a step (``engine._in_step``): a cheap check, not a lock."""
+    if engine._generating not in (None, threading.get_ident()):
         raise RuntimeError("another thread is inside this engine's generate(): an Engine "
                            "is single-threaded (give each thread its own engine, or "
                            "serialise the calls)")
-    if in_step:
+    if engine._in_step:
         raise RuntimeError("the engine is inside step() (a call from within the step, or from another "
                            "thread): an Engine is single-threaded; call it again once step() returns")
+
+
+def check_instance(name: str, value: object, cls: type, hint: str) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a ``cls`` (``hint``: what to pass instead)."""
+    if not isinstance(value, cls):
+        raise ValueError(f"{name} must be a {cls.__name__} ({hint}), got {type(value).__name__}")
+
+
+def check_engine_model(model: Any, config: Any) -> None:
+    """What an ``Engine`` asks of its model: a dtype the engine runs, a ``head_dim`` its attention takes."""
+    check_model_dtype(model.dtype)
+    check_attention(config.attention, config.block_size, model.shape.head_dim)
+
+
+def check_known_request(requests: dict, req_id: object) -> Any:
+    """The request ``Engine.output`` reads: ``KeyError`` for an id the engine never gave (or forgot)."""
+    try:
+        return requests[req_id]
+    except (KeyError, TypeError):  # TypeError: an unhashable id
+        raise KeyError(f"req_id {req_id!r} is not a request of this engine (add_request returns the id; "
+                       f"reset() forgets every request)") from None
 
 
 def check_calibration(x: object, dtype: object, per_kv_head: object) -> None:

@@ -44,15 +44,10 @@ class Engine:
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16,
                  attention: str = "torch", enable_prefix_caching: bool = False, **settings: Any) -> None:
-        if not isinstance(model, PagedLlama):
-            raise ValueError(f"model must be a PagedLlama (Engine.from_hf takes a transformers model), "
-                             f"got {type(model).__name__}")
-        checks.check_model_dtype(model.dtype)
-        self.config = config = EngineConfig(num_blocks, block_size, attention, enable_prefix_caching,
-                                            **settings)
-        checks.check_attention(attention, config.block_size, model.shape.head_dim)
+        checks.check_instance("model", model, PagedLlama, "Engine.from_hf takes a transformers model")
+        self.config = EngineConfig(num_blocks, block_size, attention, enable_prefix_caching, **settings)
+        checks.check_engine_model(model, self.config)
         self.model = model
-        self.attention = attention
         self.cache = self._new_cache()
         self.scheduler = self._new_scheduler()
         self.requests: dict[int, Request] = {}  # add_request's requests, by id, for output()
@@ -66,10 +61,6 @@ class Engine:
         """An engine on the weights of a transformers model ``PagedLlama.from_hf`` takes (``args``,
         ``kwargs``: those of ``Engine`` after ``model``, ``num_blocks`` first)."""
         return cls(PagedLlama.from_hf(hf_model), *args, **kwargs)
-
-    @property
-    def watermark_blocks(self) -> int:
-        return self.config.watermark_blocks
 
     def _new_cache(self) -> PagedKVCache:
         config = self.config
@@ -85,13 +76,9 @@ class Engine:
                          watermark=config.watermark, max_model_len=config.max_model_len,
                          full_prompt_must_fit=config.full_prompt_must_fit)
 
-    def _check_idle(self) -> None:
-        """Refuse a call from a second thread, or after a step that raised (a cheap check, not a lock)."""
-        checks.check_idle(self._generating, self._in_step)
-
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
-        self._check_idle()
+        checks.check_idle(self)
         request = self._request("prompt", prompt, max_new_tokens)
         self.scheduler.add(request)
         self.requests[request.req_id] = request
@@ -101,7 +88,7 @@ class Engine:
     def abort(self, req_id: int) -> None:
         """Stop request ``req_id`` whatever its state (waiting, running, preempted), freeing its blocks;
         ``output`` still gives the tokens it generated."""
-        self._check_idle()
+        checks.check_idle(self)
         self.scheduler.abort(req_id)
 
     def has_unfinished(self) -> bool:
@@ -117,14 +104,15 @@ class Engine:
         propagates. The engine is usable as it was before the step (preemptions the step made stay: their
         requests wait at the front of the queue); call ``step()`` again to retry, ``abort`` a request, or
         ``reset()``."""
-        self._check_idle()
+        checks.check_idle(self)
         self._in_step = True
         try:
             plan = self.scheduler.schedule()
             sampled = []
             if plan.work:
                 try:
-                    logits = self.model.forward(self.cache, plan.batch, self.attention)  # [batch, vocab]
+                    # [batch, vocab]
+                    logits = self.model.forward(self.cache, plan.batch, self.config.attention)
                     sampled = logits.argmax(-1).tolist()
                 except BaseException:
                     self.scheduler.undo(plan)
@@ -137,21 +125,18 @@ class Engine:
         return StepOutput([request.req_id for request, _ in plan.prefill],
                           [request.req_id for request in plan.decode],
                           [request.req_id for request in plan.preempted], finished,
-                          {request.req_id: n for request, n in plan.work}, dict(plan.hits))
+                          {request.req_id: n for request, n in plan.work}, plan.hits)
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""
-        if req_id not in self.requests:
-            raise KeyError(f"req_id {req_id!r} is not a request of this engine (add_request returns the id; "
-                           f"reset() forgets every request)")
-        return list(self.requests[req_id].output_tokens)
+        return list(checks.check_known_request(self.requests, req_id).output_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  progress: bool | None = None) -> list[list[int]]:
         """Greedy continuation of every prompt: ``max_new_tokens`` new tokens each (no end-of-sequence
         stop), in the order of ``prompts``; ``progress``: a tqdm bar (default: from ``PROGRESS_MIN_TOKENS``).
         Every prompt is checked first: ``ValueError`` for one the pool (less the watermark) cannot hold."""
-        self._check_idle()
+        checks.check_idle(self)
         max_new_tokens = checks.check_generate(self, prompts, max_new_tokens)
         requests = []
         for i, prompt in enumerate(prompts):

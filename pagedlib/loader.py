@@ -1,8 +1,9 @@
 """Loading a Hugging Face Llama into ``PagedLlama`` (notebook 08): a transformers config read into the fields
 of ``LlamaShape``, and a ``LlamaForCausalLM``-style ``state_dict`` copied into a model already built.
 
-Not on the engine path: ``LlamaShape.from_hf``, ``PagedLlama.from_hf`` and ``PagedLlama.from_state_dict``
-call it, so it never imports ``pagedlib.model`` (it takes the model instance, returns plain values).
+Not on the engine path: ``LlamaShape.from_hf`` and ``PagedLlama.from_state_dict`` call it, and
+``PagedLlama.from_hf`` is its ``from_hf``; it never imports ``pagedlib.model`` (it takes the model class or
+instance and returns plain values).
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ def shape_fields(config: Any) -> dict[str, Any]:
     )
 
 
-def dtype_and_device(hf_model: Any, dtype: torch.dtype | None,
-                     device: torch.device | str | None) -> tuple[torch.dtype, torch.device | str]:
-    """``dtype`` and ``device``, each defaulting to that of ``hf_model``'s weights."""
+def from_hf(cls: Any, hf_model: Any, *, dtype: torch.dtype | None = None,
+            device: torch.device | str | None = None) -> Any:
+    """``PagedLlama.from_hf`` (``cls``): a copy of a transformers ``LlamaForCausalLM`` or
+    ``MistralForCausalLM``, in ``dtype`` on ``device`` (default: those of ``hf_model``'s weights)."""
+    checks.check_hf_model(hf_model)
     first = next(hf_model.parameters())
     if dtype is None:
         dtype = first.dtype
     if device is None:
         device = first.device
-    return dtype, device
+    return cls.from_state_dict(hf_model.config, hf_model.state_dict(), dtype=dtype, device=device)
 
 
 def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedlib import checks, loader
 from pagedlib.core.cache import Batch, PagedKVCache, padded_tables
-from pagedlib.kernels.varlen import Step, plan_varlen
+from pagedlib.kernels.varlen import Step
 
 
 @dataclass(frozen=True)
@@ -150,14 +150,8 @@ class PagedLlama(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    @classmethod
-    def from_hf(cls, hf_model: Any, *, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> PagedLlama:
-        """Copy a transformers ``LlamaForCausalLM`` or ``MistralForCausalLM`` (default: its dtype, device)."""
-        checks.check_hf_model(hf_model)
-        dtype, device = loader.dtype_and_device(hf_model, dtype, device)
-        state_dict = hf_model.state_dict()
-        return cls.from_state_dict(hf_model.config, state_dict, dtype=dtype, device=device)
+    # a copy of a transformers LlamaForCausalLM or MistralForCausalLM (its dtype, device unless given)
+    from_hf = classmethod(loader.from_hf)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], *,
@@ -221,11 +215,6 @@ class PagedLlama(nn.Module):
         slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
         width = max(map(len, batch.block_tables))
         tables = padded_tables(batch.block_tables, width, device)           # [B, max_blocks]
-        plan = None
-        if attention == "torch":
-            shape = self.shape
-            kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
-            plan = plan_varlen(tables, batch.seq_lens, query_start_loc, block_size, kv_bytes_per_token)
         tokens = [token for new in batch.token_ids for token in new]  # type: ignore[union-attr]
         return Step(
             tokens=torch.tensor(tokens, device=device),
@@ -235,7 +224,7 @@ class PagedLlama(nn.Module):
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             block_tables=tables,
             seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
-            plan=plan,
+            attention=attention,
         )
 
     def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:

@@ -535,9 +535,10 @@ def test_state_diff_names_what_changed():
     assert set(state_diff(c, before)) == {"k", "v", "free", "tables", "seq_lens", "ref_counts"}
 
 
-def test_reserve_takes_the_slots_an_append_would_write_and_writes_no_kv():
-    """``reserve`` (the model's path: it writes K/V layer by layer itself) advances the same bookkeeping as
-    an append, returns each sequence's flat slot ids, and copies a shared block but writes nothing else."""
+def test_reserving_takes_the_slots_an_append_would_write_and_writes_no_kv():
+    """``reserving`` (a one-off model step: the model writes K/V layer by layer itself) advances the same
+    bookkeeping as an append and hands over a ``Batch``: each sequence's flat slot ids, tables and lengths
+    after the step, and the block copies to make first. It copies and writes nothing itself."""
     ref, c = make(fill=float("nan")), make(fill=float("nan"))
     for cache in (ref, c):
         for s, n in (("a", 3), ("b", 5)):
@@ -545,28 +546,36 @@ def test_reserve_takes_the_slots_an_append_would_write_and_writes_no_kv():
             cache.append_tokens(s, *kv(n, seed=n))
         cache.fork("a", "f")  # "f" shares a's partly filled block: reserving for it copies the block
     pools = c.k.clone(), c.v.clone()
-    slots = c.reserve(["f", "b"], [2, 4])
+    with c.reserving(["f", "b"], [[0] * 2, [0] * 4]) as batch:
+        assert torch.equal(c.k.nan_to_num(7.0), pools[0].nan_to_num(7.0))  # nothing written, no copy made
+        assert torch.equal(c.v.nan_to_num(7.0), pools[1].nan_to_num(7.0))
+        c.pool.copy_blocks(batch.copies)
     k, v = kv(6, seed=9)
     ref.append_tokens("f", k[:, :2], v[:, :2])
     ref.append_tokens("b", k[:, 2:], v[:, 2:])
     assert c.tables == ref.tables and c.seq_lens == ref.seq_lens and c.free == ref.free and c.cow_copies == 1
     want = [[c.slot(s, p).block * BS + c.slot(s, p).offset for p in range(c.seq_lens[s] - n, c.seq_lens[s])]
             for s, n in (("f", 2), ("b", 4))]
-    assert slots == want
     copy = c.tables["f"][0]
+    assert batch.slots == want and batch.copies == [(c.tables["a"][0], copy)]
+    assert batch.seq_ids == ["f", "b"] and batch.seq_lens == [5, 9]
+    assert batch.block_tables == [c.tables["f"], c.tables["b"]]
     assert torch.equal(c.k[copy, :, :3], c.k[c.tables["a"][0], :, :3])  # the copy holds a's 3 tokens
-    untouched = [b for b in range(12) if b != copy]  # no K/V written anywhere else: still NaN where unused
-    for pool, before in zip((c.k, c.v), pools):
-        assert torch.equal(pool[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
     check_invariants(c)
     snap = snapshot(c)
-    for call, text in [(lambda: c.reserve(["a"], [1, 2]), "counts must be a list of 1 ints"),
-                       (lambda: c.reserve(["a"], [-1]), r"counts\[0\] must be >= 0"),
-                       (lambda: c.reserve(["a", "a"], [1, 1]), "distinct"),
-                       (lambda: c.reserve(["a"], [1], token_ids=[1, 2]), "token_ids must hold 1")]:
+    for seq_ids, chunks, text in [(["a"], [[1], [2]], "chunks must hold 1 lists"),
+                                  (["a", "a"], [[1], [1]], "distinct"),
+                                  (["a"], [None], "got None"), (["a"], "ab", "chunks must hold"),
+                                  (["a"], [[1, -1]], r"chunks\[0\]\[1\] must be >= 0")]:
         with pytest.raises(ValueError, match=text):
-            call()
+            with c.reserving(seq_ids, chunks):
+                pass
         assert_unchanged(c, snap)
     with pytest.raises(OutOfBlocksError, match="a batch of 2 sequences"):
-        c.reserve(["a", "b"], [40, 1])
+        with c.reserving(["a", "b"], [[0] * 40, [0]]):
+            pass
+    assert_unchanged(c, snap)
+    with pytest.raises(KeyboardInterrupt):  # interrupted inside the block: undone
+        with c.reserving(["f", "b"], [[0], [0] * 7]):
+            raise KeyboardInterrupt
     assert_unchanged(c, snap)

@@ -58,15 +58,16 @@ def prompt(c: PagedKVCache, on: bool) -> None:  # fills 3 blocks of "q"
     c.append_tokens("q", *kv(9, seed=3), token_ids=list(range(3, 12)) if on else None)
 
 
-def reserve(c: PagedKVCache, on: bool) -> None:  # "c" copies; "q" fills 2 blocks
-    c.reserve(["c", "q"], [1, 6], token_ids=list(range(7)) if on else None)
+def reserve(c: PagedKVCache, on: bool) -> None:  # "c" copies; "q" fills 2 blocks (a model step's path)
+    with c.reserving(["c", "q"], [[0], list(range(1, 7))]) as step:
+        c.pool.copy_blocks(step.copies)
 
 
 # name: (call, registrations it makes with prefix caching)
 APPENDS = {"batch": (batch, 1), "prompt": (prompt, 3), "reserve": (reserve, 2)}
 STEPS = {"PrefixCache.register": PrefixCache, "KVPool.write": KVPool, "KVPool.copy_blocks": KVPool}
 CASES = [(step, append) for step in STEPS for append in APPENDS
-         if (step, append) != ("KVPool.write", "reserve")]  # reserve writes no K/V
+         if (step, append) != ("KVPool.write", "reserve")]  # reserving writes no K/V
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
@@ -258,7 +259,8 @@ def test_the_tree_finds_the_blocks_after_a_duplicate_computed_at_the_same_time(t
         c.add_sequence(0, first)
         c.add_sequence(1, second)
         if together:
-            c.reserve([0, 1], [9, 9], first + second)
+            with c.reserving([0, 1], [first, second]):
+                pass  # both prefilled in one step
         else:
             c.append_tokens(0, *kv(9), token_ids=first)
             c.append_tokens(1, *kv(9, seed=1), token_ids=second)

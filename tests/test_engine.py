@@ -267,7 +267,7 @@ def test_a_lone_request_may_fill_the_pool_and_the_watermark_holds_only_while_oth
     every new token but the last); a second one waits while the first runs if admitting it would leave fewer
     than 5 blocks free."""
     engine = Engine(model, num_blocks=100, block_size=1, watermark=0.05)
-    assert engine.watermark_blocks == 5
+    assert engine.config.watermark_blocks == 5
     with pytest.raises(ValueError, match=r"101 token slots .* pool of 100 blocks x 1 = 100"):
         engine.generate([list(range(101))], 1)
     assert len(engine.generate([list(range(100))], 1)[0]) == 1

@@ -83,9 +83,9 @@ def test_no_import_cycle():
 
 
 # The layers, bottom up: a module may import its own layer and the ones below it, never one above.
-LAYERS = ["pagedlib.util", "pagedlib.core", "pagedlib.testing", "pagedlib.kernels", "pagedlib.checks",
-          "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats", "pagedlib.model",
-          "pagedlib.engine",
+LAYERS = ["pagedlib.util", "pagedlib.figures", "pagedlib.core", "pagedlib.testing", "pagedlib.kernels",
+          "pagedlib.checks", "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats",
+          "pagedlib.model", "pagedlib.engine",
           "pagedlib.sim", "pagedlib.teach", "pagedlib.vllm_bridge", "pagedlib.bench"]
 
 

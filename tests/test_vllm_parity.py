@@ -213,7 +213,7 @@ def test_the_watermark_is_applied_alike(tiny, vllm):
     workload = [Arrival(f"r{i}", tokens(rng, 470), 2) for i in range(6)]
     workload.append(Arrival("last", tokens(rng, 300), 2))
     engine = engine_for(tiny, 100, max_num_seqs=8, max_num_batched_tokens=4096, watermark=0.05)
-    assert engine.watermark_blocks == 5
+    assert engine.config.watermark_blocks == 5
     ours, our_tokens = run_engine(engine, workload)
     theirs, their_tokens = vllm.run(config_of(engine), workload)
     assert our_tokens == their_tokens

@@ -312,7 +312,7 @@ def measure_steps(engine: Any, prompts: list[list[int]], new_tokens: int) -> lis
     seen, run = [], engine.model.forward
 
     def forward(cache: Any, batch: Any, *args: Any) -> torch.Tensor:  # counts the planned step, then runs it
-        seen.append((batch.num_tokens, sum(batch.seq_lens)))
+        seen.append((sum(map(len, batch.slots)), sum(batch.seq_lens)))
         return run(cache, batch, *args)
 
     rows, engine.model.forward = [], forward  # an instance attribute: the class's method is untouched

@@ -161,12 +161,15 @@ def appended(cache, k: object, v: object, tokens: object, n: int | None = None,
     return token_ids(cache, "token_id" if one else "token_ids", tokens, 1 if one else k.shape[1])
 
 
-def reservation(cache, seq_ids: object, counts: object, tokens: object) -> tuple[list, list, list | None]:
+def chunks(cache, seq_ids: object, chunks: object) -> tuple[list, list[list[int]]]:
+    """``reserving``'s arguments: distinct live sequences and one list of token ids (any length) for each."""
     ids = live_ids(cache, seq_ids, distinct=True)
-    if not isinstance(counts, (list, tuple)) or len(counts) != len(ids):
-        raise ValueError(f"counts must be a list of {len(ids)} ints, one per sequence, got {counts!r}")
-    counts = [as_int(f"counts[{i}]", n, minimum=0) for i, n in enumerate(counts)]
-    return ids, counts, token_ids(cache, "token_ids", tokens, sum(counts))
+    if isinstance(chunks, (str, bytes)) or not hasattr(chunks, "__len__") or len(chunks) != len(ids):
+        raise ValueError(f"chunks must hold {len(ids)} lists of token ids, one per sequence, "
+                         f"got {type(chunks).__name__}")
+    if any(chunk is None for chunk in chunks):
+        raise ValueError("chunks must hold lists of token ids, got None")
+    return ids, [token_ids(cache, f"chunks[{i}]", chunk) for i, chunk in enumerate(chunks)]
 
 
 def request_fields(request: object) -> None:

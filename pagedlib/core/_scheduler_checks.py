@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 
+from pagedlib.core import _checks as cache_checks
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request, Status
 from pagedlib.util import as_int, refuse
@@ -36,6 +37,12 @@ def _optional_int(name: str, value: object) -> int | None:
     if value is None:
         return None
     return as_int(name, value, minimum=1)
+
+
+def admissible(scheduler: object, request: object) -> None:
+    """``ValueError`` if the cache holds a sequence with ``request``'s id already (the cache is the
+    scheduler's: a caller added one behind its back)."""
+    cache_checks.seq(scheduler.cache, request.req_id, "req_id", new=True)
 
 
 def new_request(scheduler: object, request: object) -> None:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedlib import figures
 from pagedlib.core import _checks as checks
 from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa: F401 (re-exported)
 
@@ -19,7 +20,6 @@ from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa
 from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError, Reservation  # noqa: F401
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
 from pagedlib.core.kv_pool import KVPool
-from pagedlib.core.prefix_cache import lookup_stats
 
 
 class Slot(NamedTuple):
@@ -41,10 +41,6 @@ class Batch:
     block_tables: list[list[int]]     # each sequence's table after the step
     seq_lens: list[int]               # tokens each sequence holds after the step
     copies: list[tuple[int, int]]     # (source, destination) blocks to copy before any K/V is written
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(map(len, self.slots))
 
 
 def padded_tables(tables: list[list[int]], width: int, device: torch.device | str) -> torch.Tensor:
@@ -80,7 +76,6 @@ class PagedKVCache:
         scales = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
         self.k_scale, self.v_scale = scales
         self.dtype = dtype
-        self.prefix_cache_kind = prefix_cache
         self.manager = BlockManager(self.num_blocks, self.block_size, order, enable_prefix_caching,
                                     prefix_cache)
         self.pool = KVPool(sizes, dtype=dtype, device=device, fill=fill, k_scale=self.k_scale,
@@ -104,31 +99,17 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:  # cached blocks nobody holds count as free
         return self.manager.num_free_blocks
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:  # free, and still findable by a prefix-cache lookup
         return self.manager.num_cached_free_blocks
 
-    # figures read off the cache (notebooks 02, 07)
-    @property
-    def num_tokens(self) -> int:
-        """Tokens held by every sequence."""
-        return sum(self.seq_lens.values())
-
-    @property
-    def num_allocated_slots(self) -> int:
-        """Slots of every block a table names (a shared block once per table)."""
-        return sum(len(table) for table in self.tables.values()) * self.block_size
-
-    @property
-    def utilization(self) -> float:
-        """Tokens per allocated slot (1.0 with none); ``1 - utilization``: internal fragmentation."""
-        if self.num_allocated_slots == 0:
-            return 1.0
-        return self.num_tokens / self.num_allocated_slots
+    # figures read off the cache (notebooks 02, 07), ``pagedlib.figures``' functions as properties
+    num_used_blocks = property(figures.num_used_blocks)  # blocks some table holds
+    num_tokens = property(figures.num_tokens)  # tokens held by every sequence
+    num_allocated_slots = property(figures.num_allocated_slots)  # slots of every block a table names
+    utilization = property(figures.utilization)  # tokens per allocated slot (1.0 with none)
+    __repr__ = figures.describe  # sizes, blocks, tokens, the first eight tables
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
         """Checked ``BlockManager.add_sequence``: the tokens found; the caller appends K/V for the prompt
@@ -176,31 +157,22 @@ class PagedKVCache:
         slots = self._append(ids, [1] * len(ids), k, v, tokens)
         return [Slot(*divmod(slot, self.block_size)) for slot in slots]
 
-    def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
-                token_ids: Sequence[int] | None = None) -> list[list[int]]:
-        """Checked ``BlockManager.reserve``: each sequence's new slots, copy-on-write copies made, the blocks
-        they fill findable at once (the caller writes their K/V before anything reads them)."""
-        ids, counts, tokens = checks.reservation(self, seq_ids, counts, token_ids)
-        with self._reservation(ids, counts, tokens) as record:
-            self.pool.copy_blocks(record.copies)
-        return record.slots
-
     @contextmanager
     def reserving(self, seq_ids: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> Iterator[Batch]:
         """A one-off step's ``Batch`` (an engine's come from its scheduler): slots for ``chunks[i]`` more
         tokens of each ``seq_ids[i]``, checked, all or nothing. Committed when the ``with`` block ends, undone
         if it raises (an interrupted forward pass leaves nothing findable without its K/V)."""
-        counts = [len(chunk) for chunk in chunks]
-        tokens = [token for chunk in chunks for token in chunk]
-        ids, counts, tokens = checks.reservation(self, seq_ids, counts, tokens)
-        with self._reservation(ids, counts, tokens) as record:
-            yield self.batch(ids, [list(chunk) for chunk in chunks], record.slots, record.copies)
+        ids, rows = checks.chunks(self, seq_ids, chunks)
+        tokens = [token for row in rows for token in row]
+        with self._reservation(ids, [len(row) for row in rows], tokens) as record:
+            tables = [list(self.tables[seq_id]) for seq_id in ids]
+            yield Batch(ids, rows, record.slots, tables, [self.seq_lens[s] for s in ids], record.copies)
 
     @contextmanager
     def _reservation(self, seq_ids: list, counts: list[int], token_ids: list[int] | None
                      ) -> Iterator[Reservation]:
         """``BlockManager.reserve``'s record, committed when the ``with`` block ends and undone if it raises:
-        the one all-or-nothing scope of ``reserve``, ``reserving`` and the appends."""
+        the one all-or-nothing scope of ``reserving`` and the appends."""
         record = self.manager.reserve(seq_ids, counts, token_ids)
         try:
             yield record
@@ -208,13 +180,6 @@ class PagedKVCache:
             self.manager.undo(record)
             raise
         self.manager.commit(record)
-
-    def batch(self, seq_ids: list[Hashable], token_ids: list[list[int] | None], slots: list[list[int]],
-              copies: list[tuple[int, int]]) -> Batch:
-        """The ``Batch`` of new tokens already reserved (``slots``), with the tables and lengths now."""
-        tables = [list(self.tables[seq_id]) for seq_id in seq_ids]
-        lens = [self.seq_lens[seq_id] for seq_id in seq_ids]
-        return Batch(list(seq_ids), token_ids, slots, tables, lens, copies)
 
     def _append(self, seq_ids: list, counts: list[int], k: torch.Tensor, v: torch.Tensor,
                 token_ids: list[int] | None) -> list[int]:
@@ -272,39 +237,9 @@ class PagedKVCache:
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """The prefix cache's lookup counters and hit rate (all 0 when prefix caching is off)."""
-        if self.prefix_cache is None:
-            return lookup_stats(None)
-        return self.prefix_cache.stats()
+        return figures.prefix_cache_stats(self.prefix_cache)
 
     def sequence_utilization(self, seq_id: Hashable) -> float:
         """Tokens per slot of one sequence's blocks (1.0 for an empty sequence)."""
         checks.seq(self, seq_id)
-        allocated = len(self.tables[seq_id]) * self.block_size
-        if allocated == 0:
-            return 1.0
-        return self.seq_lens[seq_id] / allocated
-
-    def __repr__(self) -> str:
-        """Sizes; blocks used, free (cached among them), shared and copied; tokens; the first 8 tables."""
-        dtype = str(self.dtype).replace("torch.", "")
-        blocks = f"  blocks: {self.num_used_blocks} used, {self.num_free_blocks} free"
-        if self.prefix_cache is not None:
-            blocks += f", {self.num_cached_free_blocks} of them cached"
-        if self.free:
-            blocks += f" (top of stack: {self.free[-1]})"
-        else:
-            blocks += " (stack empty)"
-        shared = sum(count > 1 for count in self.ref_counts)
-        if shared or self.cow_copies:
-            blocks += f", {shared} shared, {self.cow_copies} copied"
-        lines = [f"PagedKVCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
-                 f"block_size={self.block_size}, kv_heads={self.kv_heads}, "
-                 f"head_dim={self.head_dim}, dtype={dtype}, device={self.device})",
-                 blocks,
-                 f"  tokens: {self.num_tokens} in {self.num_allocated_slots} allocated slots "
-                 f"(utilization {self.utilization:.0%})"]
-        for seq_id, table in list(self.tables.items())[:8]:
-            lines.append(f"  seq {seq_id!r}: len {self.seq_lens[seq_id]}, table {table}")
-        if len(self.tables) > 8:
-            lines.append(f"  ... and {len(self.tables) - 8} more sequences")
-        return "\n".join(lines)
+        return figures.sequence_utilization(self, seq_id)

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedlib import figures
 from pagedlib.core import _checks as checks
 from pagedlib.util import as_int
 
@@ -127,21 +128,4 @@ class PrefixCache:
         self.evicted_blocks += 1
         return block
 
-    def stats(self) -> dict[str, float]:
-        """The lookup counters, the hit rate and the blocks a lookup can find now."""
-        return lookup_stats(self, cached_blocks=len(self.keys))
-
-
-def lookup_stats(prefix_cache: object, **more: int) -> dict[str, float]:
-    """A prefix cache's counters: prompt tokens looked up, tokens found, the hit rate, blocks evicted, and
-    ``more``. ``None`` (prefix caching off): every count 0."""
-    if prefix_cache is None:
-        return {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evicted_blocks": 0,
-                "cached_blocks": 0}
-    rate = 0.0
-    if prefix_cache.queried_tokens:  # type: ignore[attr-defined]
-        rate = prefix_cache.hit_tokens / prefix_cache.queried_tokens  # type: ignore[attr-defined]
-    return {"queried_tokens": prefix_cache.queried_tokens,  # type: ignore[attr-defined]
-            "hit_tokens": prefix_cache.hit_tokens,  # type: ignore[attr-defined]
-            "hit_rate": rate,
-            "evicted_blocks": prefix_cache.evicted_blocks, **more}  # type: ignore[attr-defined]
+    stats = figures.prefix_cache_stats  # the lookup counters, hit rate and blocks a lookup finds now

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedlib.core import _checks as cache_checks
 from pagedlib.core import _scheduler_checks as checks
 from pagedlib.core.blocks import Reservation
 from pagedlib.core.cache import Batch, PagedKVCache
@@ -33,11 +32,11 @@ class StepPlan:
     hits: dict[int, int] = field(default_factory=dict)  # admitted request id -> prompt tokens found cached
     cached_tokens: int = 0  # tokens this step's admissions found in the prefix cache
     recomputed_tokens: int = 0  # K/V lost to earlier preemptions that this step's admissions compute again
-    batch: Batch | None = None  # what the forward pass reads (None until schedule() returns)
+    # what the forward pass reads, a row per entry of ``work``: slots, tables, lengths, block copies
+    batch: Batch = field(default_factory=lambda: Batch([], [], [], [], [], []))
     # the step's changes in order, to undo it: a Reservation, or (request, its status before admission)
     journal: list[Reservation | tuple[Request, Status]] = field(default_factory=list)
     registered: set[int] = field(default_factory=set)  # blocks made findable, K/V not yet written
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) blocks, before the pass
     lookups: tuple[int, int] = (0, 0)  # the prefix cache's (queried, hit) tokens before the step's lookups
 
     @property
@@ -84,9 +83,7 @@ class Scheduler:
         """Blocks ``request`` needs to run alone: the most it ever holds."""
         return ceil_div(request.max_kv_len, self.block_size)
 
-    def check(self, request: Request) -> None:
-        """``ValueError`` unless ``request`` is new, fits the model and, alone, the cache."""
-        checks.new_request(self, request)
+    check = checks.new_request  # ValueError unless the request is new, fits the model and, alone, the cache
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -117,20 +114,8 @@ class Scheduler:
         except BaseException:
             self.rollback(plan)
             raise
-        plan.batch = self.cache.batch([request.req_id for request, _ in plan.work],
-                                      [self.new_token_ids(request, n) for request, n in plan.work],
-                                      [record.slots[0] for record in self.reservations(plan)],
-                                      plan.copies)
         self.plan = plan
         return plan
-
-    @staticmethod
-    def new_token_ids(request: Request, n: int) -> list[int] | None:
-        """The ids of the ``n`` tokens ``request`` computes next; ``None`` for a simulated request without
-        ids (notebook 07's requests have lengths only)."""
-        if request.prompt_tokens is None:
-            return None
-        return request.next_token_ids(n)
 
     def schedule_running(self, plan: StepPlan) -> None:
         """Give each running request, oldest first, its next tokens and their slots."""
@@ -164,18 +149,24 @@ class Scheduler:
         return ceil_div(held + n, self.block_size) - ceil_div(held, self.block_size)
 
     def allocate(self, plan: StepPlan, request: Request, n: int) -> None:
-        """Reserve slots for ``n`` more tokens of ``request``: a row of the plan. The blocks they fill become
-        findable at once (vLLM registers a block when it schedules it)."""
-        token_ids = None
-        if self.cache.prefix_cache is not None:
+        """Reserve slots for ``n`` more tokens of ``request``: a row of the plan and of its batch. The blocks
+        they fill become findable at once (vLLM registers a block when it schedules it)."""
+        token_ids = None  # unknown for a simulated request (notebook 07's requests have lengths only)
+        if request.prompt_tokens is not None:
             token_ids = request.next_token_ids(n)
         record = self.cache.manager.reserve([request.req_id], [n], token_ids)
         plan.journal.append(record)
         plan.registered.update(record.registered)
-        plan.copies += record.copies
         plan.work.append((request, n))
         if n == request.num_uncomputed_tokens:
             plan.sampling.append(request)
+        batch = plan.batch  # the row, with the table and length after this step
+        batch.seq_ids.append(request.req_id)
+        batch.token_ids.append(token_ids)
+        batch.slots += record.slots
+        batch.block_tables.append(list(self.cache.tables[request.req_id]))
+        batch.seq_lens.append(self.cache.seq_lens[request.req_id])
+        batch.copies += record.copies
 
     def preempt(self) -> Request:
         """Free the newest running request's blocks and queue it first again: its K/V will be
@@ -195,7 +186,7 @@ class Scheduler:
     def admit(self, plan: StepPlan, request: Request) -> bool:
         """Admit ``request`` with its first chunk, or say it must wait (no tokens left in the step, or too
         few blocks: ``plan.blocked``)."""
-        cache_checks.seq(self.cache, request.req_id, "req_id", new=True)  # the cache is the scheduler's
+        checks.admissible(self, request)
         found, found_tokens = self.cached_prefix(request, plan)
         n = self.chunk_size(plan, request.num_tokens - found_tokens)
         if n <= 0:
@@ -251,7 +242,7 @@ class Scheduler:
             return manager.add_sequence(request.req_id)
         token_ids = request.token_ids
         manager.add_sequence(request.req_id, token_ids)
-        plan.copies += manager.share_partial_block(request.req_id, token_ids, plan.registered)
+        plan.batch.copies += manager.share_partial_block(request.req_id, token_ids, plan.registered)
         return self.cache.seq_lens[request.req_id]
 
     def requeue(self, request: Request, status: Status) -> None:
@@ -262,9 +253,6 @@ class Scheduler:
         self.waiting.appendleft(request)
         request.num_computed_tokens = 0
         request.status = status
-
-    def reservations(self, plan: StepPlan) -> list[Reservation]:
-        return [entry for entry in plan.journal if isinstance(entry, Reservation)]
 
     def undo(self, plan: StepPlan) -> None:
         """The step of ``plan`` failed (its forward pass raised): every allocation, registration and admission
@@ -292,8 +280,9 @@ class Scheduler:
         requests. A plan is taken once, and only the latest."""
         checks.open_plan(self, plan)
         sampled = checks.sampled(sampled, len(plan.work))
-        for record in self.reservations(plan):
-            self.cache.manager.commit(record)
+        for entry in plan.journal:
+            if isinstance(entry, Reservation):
+                self.cache.manager.commit(entry)
         plan.journal.clear()
         self.plan = None
         finished = []

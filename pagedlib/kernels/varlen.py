@@ -200,18 +200,23 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    plan: list[Piece] | None          # attend_varlen's plan, for all layers; None: Triton
+    attention: str                    # "torch" (attend_varlen) or "triton"
+    plan: list[Piece] | None = None   # attend_varlen's plan: made at the first layer, kept for the others
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> torch.Tensor:
         """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
         scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
-        plan: the step's inputs are built here, once."""
-        if self.plan is None:
+        plans the step once, at its first layer (as vLLM's backends build their metadata once a step)."""
+        if self.attention == "triton":
             # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
             from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
 
             return paged_attention_varlen_triton(q, k_pool, v_pool, self.block_tables,
                                                  self.seq_lens, self.query_start_loc,
                                                  k_scale=k_scale, v_scale=v_scale)
+        if self.plan is None:  # the bytes of K+V per token in the model's dtype (an fp8 pool's dequantized)
+            kv_bytes_per_token = 2 * k_pool.shape[-2] * k_pool.shape[-1] * q.element_size()
+            self.plan = plan_varlen(self.block_tables, self.seq_lens.tolist(), self.query_start_loc.tolist(),
+                                    k_pool.shape[1], kv_bytes_per_token)
         return attend_varlen(q, k_pool, v_pool, self.plan, q.shape[-1] ** -0.5, k_scale, v_scale)
