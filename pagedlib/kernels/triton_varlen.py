@@ -69,8 +69,9 @@ def _varlen_kernel(
     v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
     k_scale = tl.load(k_scale_ptr + kv_head)  # used if SCALED
     v_scale = tl.load(v_scale_ptr + kv_head)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, 0, end, table_ptr + seq * stride_tb,
-                                  stride_tn, k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale,  # state; queries
+                                  0, end, table_ptr + seq * stride_tb, stride_tn,  # keys; table
+                                  k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,  # K; V
                                   dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
                                   CAUSAL=True)
 
