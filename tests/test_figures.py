@@ -123,3 +123,22 @@ def test_the_pool_pictures_give_each_request_its_own_colour_and_mark_preemptions
     assert len(marks[0].get_xdata()) == int((paged.series["preempted"] > 0).sum())
     assert min(marks[0].get_ydata()) > 128 and marks[0].get_markersize() >= 7
     assert "step 30:" in plots.plot_pool_step(paged, 30).axes[0].get_title()
+
+
+def test_the_fused_vs_gather_figure_draws_every_run_and_names_each_path_once():
+    """Notebook 04's committed-runs figure: a panel per batch, a line per path and run, the legend once per
+    path, and y ticks that span every ratio drawn."""
+    def rows(scale: float) -> list[dict]:
+        return [{"impl": impl, "batch": batch, "context": context, plots.SPEEDUP_KEY: ratio * scale}
+                for batch in (1, 16) for context in (512, 2048)
+                for impl, ratio in (("vllm-fused", 2.5), ("paged", 0.3), ("contiguous", 1.0), ("copy", 1.6))]
+
+    fig = plots.plot_fused_vs_gather([rows(1.0), rows(1.1), rows(0.9)])
+    panels = fig.axes
+    assert [ax.get_title() for ax in panels] == ["batch 1", "batch 16"]
+    assert all(len(ax.get_lines()) == 3 * 4 + 1 for ax in panels)  # 3 runs x 4 paths, and the 1x line
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(labels) == 4 and labels[0].startswith("vLLM's fused CPU kernel")
+    ticks = panels[0].get_yticks()
+    assert min(ticks) <= 0.3 * 0.9 and max(ticks) >= 2.5 * 1.1
+    assert "log scale" in panels[0].get_ylabel() and "context" in panels[0].get_xlabel()

@@ -16,11 +16,19 @@ the last ``chunk`` of the last sequence's ``context`` tokens. ``varlen`` is ``pa
 (one call for the whole step), ``split`` the two calls of a phase-separated engine (``paged_attention``
 for the decodes, ``paged_prefill_attention`` for the chunk), ``contiguous`` SDPA on contiguous copies, two
 calls (the chunk with a causal mask aligned to its last positions).
+
+vLLM rows (``--vllm-batches``, ``--vllm-contexts``; ``--no-vllm`` leaves them out): vLLM 0.32.0's fused CPU
+paged-attention kernel on the same pool contents, at a block size its CPU backend takes (a multiple of 32),
+timed in a process of its own (``bench/vllm_attention.py``) beside ``paged``, ``contiguous`` and ``copy`` (a
+plain copy of the contiguous K and V: those bytes read and written once, the memory's own pace), so each
+ratio is measured side by side; ``same_output``: vLLM's result equals the float64 oracle (max abs error at
+most 1e-5 in fp32).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Callable
@@ -37,6 +45,7 @@ from pagedlib.bench.timing import (
     default_device,
     environment,
     int_list,
+    memory_bytes,
     num_threads,
     positive_int,
     print_table,
@@ -60,6 +69,8 @@ SPEEDUP = "speedup vs SDPA (x faster)"  # contiguous SDPA's time / the row's tim
 COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", SPEEDUP, "spread"]
 MIXED_COLUMNS = ["impl", "batch", "context", "chunk", "ms", "GB/s", SPEEDUP, "spread"]
 DECODE_IMPLS = ("reference", "paged", "paged-whole-batch", "contiguous")
+VLLM_COLUMNS = COLUMNS + ["max_abs_error", "same_output"]
+VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32.0's CPU backend takes
 
 
 @dataclass(frozen=True)
@@ -200,8 +211,60 @@ def sweep(cfg: AttentionConfig, field: str, values: list[int], repeats: int = 20
             for row in decode_rows(replace(cfg, **{field: value}), ("paged",), repeats)]
 
 
+def vllm_points(cfg: AttentionConfig, batches: list[int], contexts: list[int],
+                memory: int) -> tuple[list[AttentionConfig], list[str]]:
+    """The points of the vLLM table: ``cfg`` at each batch and context, at a block size vLLM's CPU backend
+    takes (``cfg.block_size`` if a multiple of 32, else 32), those whose pools fit in ``memory`` bytes (with
+    vLLM's copy); and a sentence for each point or setting left out."""
+    from pagedlib.vllm_bridge import vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        return [], [f"no vLLM row: {why}"]
+    if cfg.device != "cpu" or cfg.dtype not in ("float32", "bfloat16") or cfg.head_dim not in VLLM_HEAD_DIMS:
+        return [], [f"no vLLM row: its CPU kernel takes float32 or bfloat16 on the CPU and head_dim in "
+                    f"{VLLM_HEAD_DIMS}, this run is {cfg.dtype} on {cfg.device}, head_dim {cfg.head_dim}"]
+    block_size = cfg.block_size if cfg.block_size % 32 == 0 else 32
+    points, skipped = [], []
+    for batch in batches:
+        for context in contexts:
+            point = replace(cfg, batch=batch, context=context, block_size=block_size)
+            if point_bytes(point, 0) * 5 // 4 > memory:  # the pool, the copies, and vLLM's own cache
+                skipped.append(f"vLLM row at batch {batch}, context {context} left out: it needs about "
+                               f"{point_bytes(point, 0) * 5 / 4 / 2**30:.1f} GiB")
+            else:
+                points.append(point)
+    return points, skipped
+
+
+def vllm_rows(points: list[AttentionConfig], repeats: int, threads: int,
+              timeout: float = 3600.0) -> list[dict[str, Any]]:
+    """Time vLLM's fused CPU kernel at ``points`` in a process of its own (``bench/vllm_attention.py``), with
+    pagedlib's ``paged``, contiguous SDPA and a copy measured beside it there; ``RuntimeError`` with the
+    child's last words if it fails."""
+    import subprocess
+    import sys
+    import tempfile
+
+    if not points:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        request, result = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
+        with open(request, "w") as f:
+            json.dump({"points": [asdict(p) for p in points], "repeats": repeats, "threads": threads}, f)
+        child = subprocess.run([sys.executable, "-m", "pagedlib.bench.vllm_attention", request, result],
+                               capture_output=True, text=True, timeout=timeout)
+        if child.returncode != 0 or not os.path.exists(result):
+            raise RuntimeError(f"the vLLM attention process failed (exit {child.returncode}):\n"
+                               f"{child.stderr[-2000:]}")
+        with open(result) as f:
+            answer = json.load(f)
+    return [{**row, "vllm": answer["vllm"]} for row in answer["rows"]]
+
+
 def run(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], repeats: int = 20,
-        sweeps: bool = True, chunks: list[int] | None = None) -> dict[str, Any]:
+        sweeps: bool = True, chunks: list[int] | None = None,
+        vllm: list[AttentionConfig] | None = None) -> dict[str, Any]:
     """The whole benchmark: decode at batch 1 and ``cfg.batch``, prefill, mixed steps with prefill chunks
     of ``chunks`` tokens (default: a quarter of the context and all of it), and (with ``sweeps``) the
     block-size and context sweeps. Returns rows grouped by table, with the environment."""
@@ -216,6 +279,8 @@ def run(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], repea
     if sweeps:
         result["block_size_sweep"] = sweep(cfg, "block_size", block_sizes, repeats)
         result["context_sweep"] = sweep(cfg, "context", contexts, repeats)
+    if vllm:
+        result["vllm"] = vllm_rows(vllm, repeats, torch.get_num_threads())
     return result
 
 
@@ -232,6 +297,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill chunks of the mixed table, comma-separated, each <= --context "
                              "(default: context/4 and context)")
     parser.add_argument("--no-sweeps", action="store_true", help="only the decode, prefill and mixed tables")
+    parser.add_argument("--vllm-batches", type=int_list, default=[1, 16, 64],
+                        help="batches of the vLLM table (vLLM's fused CPU kernel beside pagedlib's paths)")
+    parser.add_argument("--vllm-contexts", type=int_list, default=[512, 1024, 8192],
+                        help="contexts of the vLLM table, comma-separated")
+    parser.add_argument("--no-vllm", action="store_true", help="leave out the vLLM table")
     add_run_arguments(parser, repeats=20, repeats_help="timed calls per implementation")
     parser.set_defaults(usage_error=parser.error)  # for main: combinations are usage errors too
 
@@ -267,19 +337,27 @@ def main(args: argparse.Namespace) -> int:
     check_fits(peak_bytes(cfg, args.block_sizes, args.contexts, chunks, not args.no_sweeps),
                "this run (--batch, --context, --contexts, --block-sizes, --kv-heads, --head-dim)", cfg.device,
                usage_error)
+    points, skipped = [], []
+    if not args.no_vllm:
+        points, skipped = vllm_points(cfg, args.vllm_batches, args.vllm_contexts, memory_bytes(cfg.device))
     with num_threads(args.threads):
         result = run(cfg, args.block_sizes, args.contexts, args.repeats, sweeps=not args.no_sweeps,
-                     chunks=args.chunks)
+                     chunks=args.chunks, vllm=points)
     env = result["environment"]
     print(f"{cfg.device} ({env.get('device_name', env['processor'])}), torch {env['torch']}, "
           f"{env['torch_threads']} threads, load average {env['load_average'][0]:.1f}; {asdict(cfg)}; "
           f"medians of interleaved calls, caches flushed; {SPEEDUP} = contiguous SDPA's time / the row's\n")
     titles = {"decode": "decode (one layer)", "prefill": "prefill (causal, one prompt)",
               "mixed": "mixed step (one layer): batch - 1 decodes + one prefill chunk",
-              "block_size_sweep": "decode vs block size", "context_sweep": "decode vs context"}
+              "block_size_sweep": "decode vs block size", "context_sweep": "decode vs context",
+              "vllm": "decode (one layer) in vLLM's process: its fused CPU kernel, pagedlib's paged path, "
+                      "SDPA, a copy of K and V; same_output: vLLM's equals the float64 oracle"}
+    columns = {"mixed": MIXED_COLUMNS, "vllm": VLLM_COLUMNS}
     for name in [n for n in titles if n in result]:
-        print_table(result[name], MIXED_COLUMNS if name == "mixed" else COLUMNS, title=titles[name])
+        print_table(result[name], columns.get(name, COLUMNS), title=titles[name])
         print()
+    for sentence in skipped:
+        print(sentence)
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")

@@ -4,6 +4,7 @@ each function returns the ``Figure`` it drew on."""
 from __future__ import annotations
 
 import io
+import math
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -23,7 +24,8 @@ from pagedlib.util import ceil_div
 LINE_COLORS = {**dict.fromkeys(["append_batch", "append_tokens", "paged"], OWNER_COLORS[0]),
                **dict.fromkeys(["append_token", "reference", "reserve-max"], OWNER_COLORS[3]),
                **dict.fromkeys(["copy_", "triton", "reserve-oracle"], OWNER_COLORS[2]),
-               "reserve-pow2": OWNER_COLORS[1], "paged-whole-batch": OWNER_COLORS[4], "contiguous": "#333333"}
+               "reserve-pow2": OWNER_COLORS[1], "paged-whole-batch": OWNER_COLORS[4], "contiguous": "#333333",
+               "vllm-fused": OWNER_COLORS[1], "copy": "#999999"}
 WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
                 "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
 WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
@@ -237,6 +239,39 @@ def plot_attention_sweep(rows: list[dict], x: str = "block_size", title: str = "
             ax.set_ylim(bottom=0)  # from 0: a cut axis makes run-to-run noise look like an effect
     left.legend(frameon=False)
     return _suptitle(fig, title)
+
+
+def plot_fused_vs_gather(runs: list[list[dict]], title: str = "") -> Figure:
+    """``bench attention``'s vLLM rows of several runs: each path's speedup over contiguous SDPA against
+    the context, one panel per batch; one line per path and run (the runs as thin lines of one colour)."""
+    batches = sorted({r["batch"] for rows in runs for r in rows})
+    fig, axes = _new_figure(3.4 * len(batches), 3.8, ncols=len(batches), sharey=True, squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for run, rows in enumerate(runs):
+            mine = [r for r in rows if r["batch"] == batch]
+            for impl, (contexts, ratios) in _lines(mine, "impl", "context", SPEEDUP_KEY):
+                label = FUSED_LABELS.get(impl, impl) if run == 0 else None
+                ax.plot(contexts, ratios, marker="o", markersize=3, linewidth=1, alpha=0.8, label=label,
+                        color=LINE_COLORS.get(impl), ls=":" if impl == "copy" else "-")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        _log2_ticks(ax, sorted({r["context"] for rows in runs for r in rows}))
+        ax.set_yscale("log", base=2)
+        exponents = [math.log2(r[SPEEDUP_KEY]) for rows in runs for r in rows]
+        ticks = [2.0 ** e for e in range(math.floor(min(exponents)), math.ceil(max(exponents)) + 1)]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.set(xlabel="context (tokens, log scale)", title=f"batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set(ylabel="speedup vs SDPA (x, log scale)")
+    fig.legend(handles=axes[0][0].get_legend_handles_labels()[0], loc="outside lower center", ncols=2,
+               frameon=False, fontsize=8)
+    return _suptitle(fig, title)
+
+
+SPEEDUP_KEY = "speedup vs SDPA (x faster)"  # bench.attention.SPEEDUP (teach does not import bench)
+FUSED_LABELS = {"vllm-fused": "vLLM's fused CPU kernel (reads the blocks in place)",
+                "paged": "pagedlib's gather path (copies the blocks, then attends)",
+                "contiguous": "SDPA on contiguous K/V (the baseline, 1x)",
+                "copy": "a plain copy of K and V (memory's pace)"}
 
 
 # --- notebook 05: Triton kernel -------------------------------------------------------------------
