@@ -306,6 +306,8 @@ def _do(llm: Any, job: dict) -> dict[str, Any]:
     if "workload" in job:
         records, tokens = run_vllm(llm, [Arrival(**arrival) for arrival in job["workload"]])
         return {"records": [asdict(record) for record in records], "tokens": tokens}
+    if not llm.reset_prefix_cache():   # a reused LLM would find the last job's prompts: every run starts cold
+        raise RuntimeError("vLLM could not empty its prefix cache (requests still running)")
     start = time.perf_counter()
     tokens = generate_vllm(llm, job["prompts"], job["max_new_tokens"])
     return {"tokens": tokens, "seconds": time.perf_counter() - start}
@@ -404,7 +406,9 @@ class VllmWorker:
         return [StepRecord(**record) for record in answer["records"]], answer["tokens"]
 
     def generate(self, config: BridgeConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
-        """``{"tokens", "seconds", "startup_s"}``: greedy ``LLM.generate``, timed apart from building it."""
+        """``{"tokens", "seconds", "startup_s"}``: greedy ``LLM.generate``, timed apart from building it, from
+        an empty prefix cache (a job with the last job's config reuses its LLM, whose cache would otherwise
+        still hold the last job's prompts)."""
         return self.job({"config": asdict(config), "prompts": [list(p) for p in prompts],
                          "max_new_tokens": max_new_tokens})
 

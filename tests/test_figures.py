@@ -142,3 +142,17 @@ def test_the_fused_vs_gather_figure_draws_every_run_and_names_each_path_once():
     ticks = panels[0].get_yticks()
     assert min(ticks) <= 0.3 * 0.9 and max(ticks) >= 2.5 * 1.1
     assert "log scale" in panels[0].get_ylabel() and "context" in panels[0].get_xlabel()
+
+
+def test_the_query_block_grid_shows_every_program_and_which_tokens_it_serves():
+    """Notebook 09's grid: ``T // BLOCK_Q + batch`` programs; each sequence's blocks start at ``q_start //
+    BLOCK_Q + seq``, its tokens in its first ``ceil(q_len / BLOCK_Q)`` of them, spares hatched."""
+    fig = plots.plot_query_blocks([0, 1, 9, 12], 4)
+    cells = sorted((p for p in fig.axes[0].patches if isinstance(p, Rectangle)), key=lambda p: p.get_x())
+    assert [round(p.get_x()) for p in cells] == list(range(6))                # 12 // 4 + 3 programs
+    assert [bool(p.get_hatch()) for p in cells] == [False, False, False, True, False, True]
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["0", "1-4", "5-8", "9-11"]
+    assert legend_labels(fig)[:3] == ["sequence 0: token 0, block 0", "sequence 1: tokens 1-8, blocks 1-3",
+                                      "sequence 2: tokens 9-11, blocks 4-5"]
+    assert "BLOCK_Q = 4" in fig._suptitle.get_text()

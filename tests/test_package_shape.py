@@ -122,7 +122,7 @@ def _shown_objects():
         for cell in json.loads(nb.read_text())["cells"]:
             if cell["cell_type"] == "code":
                 for expr in re.findall(r"show_source\(([^()]+)\)", "".join(cell["source"])):
-                    yield nb.name, expr.strip()
+                    yield nb.name, expr.split(",")[0].strip()      # the object; ``elide=`` may follow
 
 
 def _namespace(notebook: str) -> dict:

@@ -271,7 +271,7 @@ def run(cfg: AttentionConfig, block_sizes: list[int], contexts: list[int], repea
     decode = decode_rows(replace(cfg, batch=1), repeats=repeats)
     if cfg.batch != 1:
         decode += decode_rows(cfg, repeats=repeats)
-    result: dict[str, Any] = {"environment": {**environment(cfg.device), "load_average": os.getloadavg()},
+    result: dict[str, Any] = {"environment": environment(cfg.device),
                               "config": asdict(cfg), "decode": decode,
                               "prefill": prefill_rows(cfg, repeats=max(3, repeats // 2))}
     chunks = chunks or [max(1, cfg.context // 4), cfg.context]

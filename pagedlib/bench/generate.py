@@ -191,7 +191,8 @@ def run_vllm(worker: Any, folder: str, hf: Any, prompts: list[list[int]], args: 
              ) -> tuple[list[list[int]], dict[str, float]]:
     """vLLM's ``LLM.generate`` in its worker process (``pagedlib.vllm_bridge``), on the model saved to
     ``folder``: chunked prefill under ``--max-num-batched-tokens`` (V1 always chunks), prefix caching on (its
-    default), blocks of 32. The first call builds vLLM: ``startup_s``, kept out of the timed runs."""
+    default, emptied before each run: the runs repeat the same prompts), blocks of 32. The first call builds
+    vLLM: ``startup_s``, kept out of the timed runs."""
     from pagedlib.vllm_bridge import BridgeConfig
 
     blocks = pool_blocks(prompts, args.max_new_tokens, VLLM_BLOCK_SIZE)
@@ -218,8 +219,16 @@ def start_vllm(stack: Any, hf: Any, args: argparse.Namespace) -> Callable[..., A
     if why:
         print(f"no vllm row: {why}")
         return None
+    from transformers.utils import logging as hf_logging
+
     folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-generate-"))
-    hf.save_pretrained(folder)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()                  # no "Writing model shards" bar on stderr
+    try:
+        hf.save_pretrained(folder)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     cores = {} if args.threads is None else {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
     worker = stack.enter_context(VllmWorker(env=cores))
     return lambda prompts: run_vllm(worker, folder, hf, prompts, args)

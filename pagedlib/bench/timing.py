@@ -40,10 +40,11 @@ class Timing:
         return min(self.samples)
 
     @property
-    def spread(self) -> float:
-        """Interquartile range relative to the median: a quick look at how noisy the run was."""
+    def spread(self) -> float | None:
+        """Interquartile range relative to the median: a quick look at how noisy the run was; None (a blank
+        cell) under four samples, too few for quartiles (the slow per-token reference is timed thrice)."""
         if len(self.samples) < 4:
-            return 0.0
+            return None
         q = statistics.quantiles(self.samples, n=4)
         return (q[2] - q[0]) / self.median
 
@@ -207,11 +208,15 @@ def add_run_arguments(p: argparse.ArgumentParser, *, repeats: int, repeats_help:
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
-    """What a benchmark figure depends on: device, library versions, threads."""
+    """What a benchmark figure depends on: device, library versions, threads, the libraries preloaded
+    (``LD_PRELOAD``: vLLM's CPU guide asks for tcmalloc and Intel's OpenMP) and the load when it is read."""
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "platform": platform.platform(),
                             "processor": platform.processor() or platform.machine(),
-                            "torch_threads": torch.get_num_threads(), "device": str(device)}
+                            "torch_threads": torch.get_num_threads(), "device": str(device),
+                            "ld_preload": os.environ.get("LD_PRELOAD", "")}
+    if hasattr(os, "getloadavg"):        # not on Windows
+        info["load_average"] = os.getloadavg()
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(device_name=props.name, sm_count=props.multi_processor_count,

@@ -8,9 +8,17 @@ import numpy as np
 
 from pagedlib.sim.simulate import SimResult, StepCost
 
-#: Notebook 09's fit (section 6) on the course's development machine (a shared 2-core CPU, a random Llama of
-#: hidden size 256 with 4 layers in fp32), rounded: an order of magnitude, not a property of any GPU.
+#: Notebook 09's fit (section 6) on a CPU (a random Llama of hidden size 256 with 4 layers in fp32),
+#: rounded: an order of magnitude, a CPU's ratios, not a property of any GPU.
 FITTED_COST = StepCost(fixed=6e-3, per_token=9e-5, per_context=1.7e-6)
+
+#: A GPU's ratios instead, from datasheet peaks (lower bounds on each cost): OPT-13B in fp16 on an A100-40GB
+#: (1,555 GB/s of HBM, 312 TFLOP/s of dense fp16 tensor-core arithmetic, NVIDIA's A100 datasheet), the
+#: setting of notebook 07's workloads. A step reads the 26 GB of weights once (``fixed``), computes 2 FLOPs
+#: per weight for each new token (``per_token``) and reads 800 KiB of K/V (40 layers x K and V x 5,120 x 2
+#: bytes) for each token of context (``per_context``).
+A100_OPT13B_COST = StepCost(fixed=2 * 13e9 / 1.555e12, per_token=2 * 13e9 / 312e12,
+                            per_context=40 * 2 * 5120 * 2 / 1.555e12)
 
 
 def step_seconds(result: SimResult, cost: StepCost) -> np.ndarray:

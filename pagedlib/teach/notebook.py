@@ -7,15 +7,35 @@ import textwrap
 from typing import Any
 
 
-def show_source(obj: Any) -> Any:
-    """Display the highlighted source of a ``pagedlib`` function, class or method in a notebook."""
+def show_source(obj: Any, elide: dict[str, str] | None = None) -> Any:
+    """Display the highlighted source of a ``pagedlib`` function, class or method in a notebook. ``elide``
+    maps the start of a line that opens a block (``"if self.prefix_cache"``) to a label: that line and the
+    block under it are shown as one comment, ``# ... label``, so a chapter can show the path it teaches and
+    say where the rest is taught. A start that matches no line is an error (the source changed)."""
     from IPython.display import HTML
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
 
     code = textwrap.dedent(inspect.getsource(obj))  # noclasses: inline styles, so the HTML renders anywhere
+    for start, label in (elide or {}).items():
+        code = elide_block(code, start, label)
     body = highlight(code, PythonLexer(), HtmlFormatter(noclasses=True, style="default", nobackground=True))
     name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
     caption = f"<div style='font-size:85%;color:#666'>source: <code>{name}</code></div>"
     return HTML(f"<div>{caption}{body}</div>")
+
+
+def elide_block(code: str, start: str, label: str) -> str:
+    """``code`` with the first line that starts (after its indentation) with ``start``, and every line
+    indented deeper below it, replaced by ``# ... label`` at that line's indentation."""
+    lines = code.splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(start):
+            indent = len(line) - len(line.lstrip())
+            end = i + 1
+            while end < len(lines) and (not lines[end].strip() or
+                                        len(lines[end]) - len(lines[end].lstrip()) > indent):
+                end += 1
+            return "\n".join([*lines[:i], " " * indent + f"# ... {label}", *lines[end:]]) + "\n"
+    raise ValueError(f"no line of the source starts with {start!r}")

@@ -561,15 +561,16 @@ def plot_step_layout(seq_ids: list, starts: list[int], counts: list[int], kinds:
     """One step's flat tokens: ``seq_ids[i]`` brings ``counts[i]`` tokens (a ``kinds[i]``) from position
     ``starts[i]``; a cell shows a token's position and the slot (``block.offset``) its K/V goes to."""
     total = sum(counts)
-    fig, ax = _new_figure(max(6.0, 0.42 * total + 1.5), 2.0)
+    fig, ax = _new_figure(max(6.0, 0.5 * total + 1.5), 2.4)
     x, handles = 0, []
     for sid, start, n, kind in zip(seq_ids, starts, counts, kinds):
         color = owner_color(sid, list(seq_ids))
         for j, pos in enumerate(range(start, start + n)):
             block, off = tables[sid][pos // block_size], pos % block_size
             ax.add_patch(Rectangle((x + j, 0), 0.95, 1, color=color, alpha=0.85))
-            ax.text(x + j + 0.47, 0.7, str(pos), ha="center", va="center", fontsize=7, color="white")
-            ax.text(x + j + 0.47, 0.3, f"{block}.{off}", ha="center", va="center", fontsize=6, color="white")
+            ax.text(x + j + 0.47, 0.72, str(pos), ha="center", va="center", fontsize=9, color="white")
+            ax.text(x + j + 0.47, 0.28, f"{block}.{off}", ha="center", va="center", fontsize=9,
+                    color="white", fontweight="bold")
         ax.text(x, -0.25, str(x), ha="left", va="top", fontsize=7)
         where = f"position {start}" if n == 1 else f"positions {start}-{start + n - 1}"
         handles.append(Patch(color=color, label=f"sequence {sid}: {kind}, {where}"))
@@ -580,6 +581,41 @@ def plot_step_layout(seq_ids: list, starts: list[int], counts: list[int], kinds:
     ax.set_xticks([])
     _legend_right(ax, handles)
     return _suptitle(fig, "cells: position (top), block.offset of its slot (bottom)")
+
+
+def plot_query_blocks(query_start_loc: list[int], block_q: int) -> Figure:
+    """The varlen kernel's grid for one step: ``T // block_q + batch`` programs, one per query block number;
+    sequence ``b``'s numbers start at ``query_start_loc[b] // block_q + b``, its first ``ceil(q_len /
+    block_q)`` blocks hold its tokens and the rest up to the next sequence's start are spares."""
+    loc = list(query_start_loc)
+    batch, total = len(loc) - 1, loc[-1]
+    grid = total // block_q + batch
+    fig, ax = _new_figure(max(6.0, 0.75 * grid + 1.5), 1.9)
+    handles = []
+    for b in range(batch):
+        first = loc[b] // block_q + b
+        end = loc[b + 1] // block_q + b + 1 if b + 1 < batch else grid      # the next sequence's first
+        color = OWNER_COLORS[b % len(OWNER_COLORS)]
+        for n in range(first, end):
+            lo = loc[b] + (n - first) * block_q                             # its first token, flat index
+            if lo < loc[b + 1]:
+                ax.add_patch(Rectangle((n, 0), 0.95, 1, color=color, alpha=0.85))
+                hi = min(lo + block_q, loc[b + 1]) - 1
+                ax.text(n + 0.47, 0.5, f"{lo}" if lo == hi else f"{lo}-{hi}", ha="center", va="center",
+                        fontsize=9, color="white")
+            else:
+                ax.add_patch(Rectangle((n, 0), 0.95, 1, facecolor="white", edgecolor=color, hatch="//"))
+        tokens = str(loc[b]) if loc[b + 1] - loc[b] == 1 else f"{loc[b]}-{loc[b + 1] - 1}"
+        blocks = str(first) if end - first == 1 else f"{first}-{end - 1}"
+        handles.append(Patch(color=color, label=f"sequence {b}: token{'s' * (tokens != str(loc[b]))} "
+                                                f"{tokens}, block{'s' * (blocks != str(first))} {blocks}"))
+    handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//",
+                         label="spare block: returns at once"))
+    ax.set(xlim=(-0.2, grid + 0.2), ylim=(-0.1, 1.1), yticks=[], xticks=[n + 0.47 for n in range(grid)],
+           xticklabels=[str(n) for n in range(grid)],
+           xlabel=f"query block number = program (grid of {grid}); cells: the flat tokens it attends for")
+    _legend_right(ax, handles)
+    return _suptitle(fig, f"query_start_loc = {loc}, BLOCK_Q = {block_q}")
 
 
 # --- notebook 10: an FP8 KV cache -------------------------------------------------------------------
