@@ -21,6 +21,12 @@ its own (``pagedlib.vllm_bridge``), blocks of 32, the same token budget as ``eng
 is building it, kept out of the timed runs. Its fp32 matrix products (oneDNN) round differently from
 torch's: where two logits are within ~1e-4 of each other a greedy choice can go the other way, and
 ``same_tokens`` then reads NO (seen once in 32 prompts on a hidden-1024 model: logits 19.29038 and 19.29009).
+With ``--threads N`` vLLM's worker is bound to cores 0..N-1 and capped to N OpenMP threads, as the engine
+runs on N torch threads. vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in ``LD_PRELOAD``; set it
+for the whole command (both engines then run with it; ``environment.ld_preload`` records it), e.g.
+``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:<dir>/libiomp5.so`` (Debian's
+``libtcmalloc-minimal4``; ``libiomp5.so`` from PyPI's ``intel-openmp`` wheel, its ``*.data/data/lib/``,
+unpacked outside ``.venv`` so that the lock's environment stays as pinned).
 """
 
 from __future__ import annotations
