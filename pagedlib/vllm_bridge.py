@@ -283,16 +283,20 @@ def serve(lines: Any, reply: Any) -> None:
     "workload": [...]}`` (answer: records and tokens) or ``{"config": ..., "prompts": [...],
     "max_new_tokens": n}`` (answer: tokens and seconds); each answer says how long building vLLM took."""
     built: dict[str, Any] = {}               # the last config's LLM: jobs with the same config share it
+    used = False                             # whether a job has run on it (then its pool is not fresh)
     for line in lines:
         job = json.loads(line)
         try:
             key = json.dumps(job["config"], sort_keys=True)
             start = time.perf_counter()
-            fresh = key not in built
+            # a workload is compared step by step with a fresh Engine: its free-block order and cached
+            # blocks must be a fresh vLLM's too, so it never runs on an LLM an earlier job has used
+            fresh = key not in built or ("workload" in job and used)
             if fresh:
                 built.clear()
                 built[key] = build_llm(BridgeConfig(**job["config"]))
             answer: dict[str, Any] = {"startup_s": time.perf_counter() - start, "built": fresh}
+            used = True
             answer.update(_do(built[key], job))
         except Exception as error:          # the parent raises it with vLLM's log
             answer = {"error": f"{type(error).__name__}: {error}"}

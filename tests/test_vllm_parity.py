@@ -206,6 +206,21 @@ def test_random_workloads_have_the_same_schedule_as_vllm(seed, tiny, vllm):
     assert differences(ours, theirs) == []
 
 
+def test_a_workload_run_twice_with_the_same_config_gets_a_fresh_vllm_both_times(tiny, vllm):
+    """The worker shares an LLM between jobs with one config, but a workload is compared with a fresh
+    Engine, so it must meet a fresh vLLM: the second run of the same workload, after the first left cached
+    blocks and a reordered free queue behind, gives the same records, both equal to the Engine's."""
+    build, options, _ = WORKLOADS["shared_system_prompt"]
+    workload = build(random.Random(3), tiny)
+    ours, _ = run_engine(engine_for(tiny, **options), workload)
+    config = config_of(engine_for(tiny, **options))
+    first, _ = vllm.run(config, workload)
+    second, _ = vllm.run(config, workload)
+    assert first == second
+    assert differences(ours, second) == []
+    assert any(r.cached_free_blocks for r in first)   # the first run did leave cached blocks behind
+
+
 def test_the_watermark_is_applied_alike(tiny, vllm):
     """With ``watermark=0.05`` (config_of passes it to vLLM's ``SchedulerConfig.watermark``), both engines
     keep 5 of 100 blocks free when they admit a request while another runs: the same steps."""
