@@ -118,11 +118,15 @@ def test_no_private_module_of_another_subpackage(module):
 
 def _shown_objects():
     """(notebook, expression) for every ``show_source(expr)`` in a code cell."""
+    import ast
+
     for nb in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
         for cell in json.loads(nb.read_text())["cells"]:
             if cell["cell_type"] == "code":
-                for expr in re.findall(r"show_source\(([^()]+)\)", "".join(cell["source"])):
-                    yield nb.name, expr.split(",")[0].strip()      # the object; ``elide=`` may follow
+                code = "".join(line for line in cell["source"] if not line.lstrip().startswith(("%", "!")))
+                for node in ast.walk(ast.parse(code)):
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "show_source":
+                        yield nb.name, ast.unparse(node.args[0])   # the object; ``elide=`` may follow
 
 
 def _namespace(notebook: str) -> dict:
