@@ -278,6 +278,19 @@ def generate_vllm(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
+def make_pool_fresh(llm: Any) -> bool:
+    """Put a used ``LLM``'s block pool back as a fresh one's: no cached block hashes (``reset_prefix_cache``)
+    and every block but the null block free in id order, as ``BlockPool`` builds its free queue (its blocks
+    in order, then block 0 taken as the null block). False, changing nothing, if a request holds blocks."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    if not llm.reset_prefix_cache():
+        return False
+    pool = _scheduler(llm).kv_cache_manager.block_pool
+    pool.free_block_queue = FreeKVCacheBlockQueue([b for b in pool.blocks if b is not pool.null_block])
+    return True
+
+
 def serve(lines: Any, reply: Any) -> None:
     """The worker's loop: one JSON job a line in, one JSON answer a line out. A job is ``{"config": ...,
     "workload": [...]}`` (answer: records and tokens) or ``{"config": ..., "prompts": [...],
@@ -289,9 +302,11 @@ def serve(lines: Any, reply: Any) -> None:
         try:
             key = json.dumps(job["config"], sort_keys=True)
             start = time.perf_counter()
-            # a workload is compared step by step with a fresh Engine: its free-block order and cached
-            # blocks must be a fresh vLLM's too, so it never runs on an LLM an earlier job has used
-            fresh = key not in built or ("workload" in job and used)
+            fresh = key not in built
+            # a workload is compared step by step with a fresh Engine, so a used LLM's pool is made fresh
+            # first (or, if a request still holds blocks, the LLM is built again)
+            if not fresh and "workload" in job and used and not make_pool_fresh(built[key]):
+                fresh = True
             if fresh:
                 built.clear()
                 built[key] = build_llm(BridgeConfig(**job["config"]))

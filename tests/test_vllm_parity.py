@@ -206,10 +206,11 @@ def test_random_workloads_have_the_same_schedule_as_vllm(seed, tiny, vllm):
     assert differences(ours, theirs) == []
 
 
-def test_a_workload_run_twice_with_the_same_config_gets_a_fresh_vllm_both_times(tiny, vllm):
+def test_a_workload_run_twice_with_the_same_config_meets_a_fresh_pool_both_times(tiny, vllm):
     """The worker shares an LLM between jobs with one config, but a workload is compared with a fresh
-    Engine, so it must meet a fresh vLLM: the second run of the same workload, after the first left cached
-    blocks and a reordered free queue behind, gives the same records, both equal to the Engine's."""
+    Engine, so it must meet a fresh pool (``make_pool_fresh``): the second run of the same workload, after
+    the first left cached blocks and a reordered free queue behind, gives the same records, both equal to
+    the Engine's."""
     build, options, _ = WORKLOADS["shared_system_prompt"]
     workload = build(random.Random(3), tiny)
     ours, _ = run_engine(engine_for(tiny, **options), workload)
