@@ -296,22 +296,19 @@ def serve(lines: Any, reply: Any) -> None:
     "workload": [...]}`` (answer: records and tokens) or ``{"config": ..., "prompts": [...],
     "max_new_tokens": n}`` (answer: tokens and seconds); each answer says how long building vLLM took."""
     built: dict[str, Any] = {}               # the last config's LLM: jobs with the same config share it
-    used = False                             # whether a job has run on it (then its pool is not fresh)
     for line in lines:
         job = json.loads(line)
         try:
             key = json.dumps(job["config"], sort_keys=True)
             start = time.perf_counter()
-            fresh = key not in built
-            # a workload is compared step by step with a fresh Engine, so a used LLM's pool is made fresh
-            # first (or, if a request still holds blocks, the LLM is built again)
-            if not fresh and "workload" in job and used and not make_pool_fresh(built[key]):
-                fresh = True
+            # every job meets a fresh pool: a workload is compared step by step with a fresh Engine, and a
+            # timed generate must not find the last job's prompts; if a request still holds blocks, the
+            # LLM is built again
+            fresh = key not in built or not make_pool_fresh(built[key])
             if fresh:
                 built.clear()
                 built[key] = build_llm(BridgeConfig(**job["config"]))
             answer: dict[str, Any] = {"startup_s": time.perf_counter() - start, "built": fresh}
-            used = True
             answer.update(_do(built[key], job))
         except Exception as error:          # the parent raises it with vLLM's log
             answer = {"error": f"{type(error).__name__}: {error}"}
@@ -325,8 +322,6 @@ def _do(llm: Any, job: dict) -> dict[str, Any]:
     if "workload" in job:
         records, tokens = run_vllm(llm, [Arrival(**arrival) for arrival in job["workload"]])
         return {"records": [asdict(record) for record in records], "tokens": tokens}
-    if not llm.reset_prefix_cache():   # a reused LLM would find the last job's prompts: every run starts cold
-        raise RuntimeError("vLLM could not empty its prefix cache (requests still running)")
     start = time.perf_counter()
     tokens = generate_vllm(llm, job["prompts"], job["max_new_tokens"])
     return {"tokens": tokens, "seconds": time.perf_counter() - start}
@@ -426,8 +421,7 @@ class VllmWorker:
 
     def generate(self, config: BridgeConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
         """``{"tokens", "seconds", "startup_s"}``: greedy ``LLM.generate``, timed apart from building it, from
-        an empty prefix cache (a job with the last job's config reuses its LLM, whose cache would otherwise
-        still hold the last job's prompts)."""
+        a fresh pool (a job with the last job's config reuses its LLM, its pool made fresh first)."""
         return self.job({"config": asdict(config), "prompts": [list(p) for p in prompts],
                          "max_new_tokens": max_new_tokens})
 
