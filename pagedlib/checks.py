@@ -143,6 +143,24 @@ def check_generate(engine: Any, prompts: object, max_new_tokens: object) -> int:
     return max_new_tokens
 
 
+def check_host(config: Any) -> None:
+    """An ``EngineConfig``'s host tier settings: a policy and a write mode the tier has, swapping only into
+    a tier, a victim tier only beside a prefix cache that evicts."""
+    from pagedlib.core.host_tier import POLICIES, WRITES
+
+    if config.host_policy not in POLICIES:
+        raise ValueError(f"host_policy must be one of {POLICIES}, got {config.host_policy!r}")
+    if config.host_write not in WRITES:
+        raise ValueError(f"host_write must be one of {WRITES}, got {config.host_write!r}")
+    if config.preemption not in ("recompute", "swap"):
+        raise ValueError(f"preemption must be 'recompute' or 'swap', got {config.preemption!r}")
+    if config.preemption == "swap" and not config.host_blocks:
+        raise ValueError("preemption='swap' needs a host tier to swap into: set host_blocks")
+    if config.host_write == "victim" and config.host_blocks and not config.enable_prefix_caching:
+        raise ValueError("host_write='victim' stores the blocks the prefix cache evicts: it needs "
+                         "enable_prefix_caching=True")
+
+
 def check_token_budget(budget: object, threshold: object) -> tuple[int | None, int | None]:
     """``(max_num_batched_tokens, long_prefill_token_threshold)`` as ints (``None``: whole prompts)."""
     if budget is None and threshold is not None:

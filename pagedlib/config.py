@@ -31,6 +31,12 @@ class EngineConfig:
             ``SchedulerConfig.watermark``, default 0.0; vLLM V0 kept 0.01, notebook 07).
         full_prompt_must_fit: admit a request only if blocks for its whole current length fit, not just
             its first chunk (vLLM's ``scheduler_reserve_full_isl``, on by default).
+        host_blocks: the blocks of a host tier beside the pool (0: none; notebook 13).
+        host_policy: how the host tier evicts: ``"lru"`` or ``"arc"`` (vLLM's CPU offloading policies).
+        host_write: ``"through"`` (every full block stored once computed, vLLM's offloading connector),
+            ``"victim"`` (stored when the prefix cache evicts it) or ``"none"`` (swapped blocks only).
+        preemption: ``"recompute"`` (vLLM V1's only mode) or ``"swap"`` (the victim's blocks go to the host
+            tier and come back; recomputed when the tier has no room).
     """
 
     num_blocks: int
@@ -44,6 +50,10 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     watermark: float = 0.0
     full_prompt_must_fit: bool = True
+    host_blocks: int = 0
+    host_policy: str = "lru"
+    host_write: str = "through"
+    preemption: str = "recompute"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -64,6 +74,8 @@ class EngineConfig:
         if not isinstance(mark, numbers.Real) or isinstance(mark, bool) or not 0 <= mark < 1:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {mark!r}")
         fix("watermark", float(mark))
+        fix("host_blocks", as_int("host_blocks", self.host_blocks, minimum=0))
+        checks.check_host(self)
 
     @property
     def capacity(self) -> int:

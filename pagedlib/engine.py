@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from pagedlib import checks
 from pagedlib.config import EngineConfig
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.host_tier import HostTier
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.model import PagedLlama
@@ -70,11 +71,20 @@ class Engine:
 
     def _new_scheduler(self) -> Scheduler:
         config = self.config
+        host = None  # the host tier of notebook 13
+        if config.host_blocks:
+            host = HostTier(self.cache.pool, config.host_blocks, config.host_policy, config.host_write)
         return Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          long_prefill_token_threshold=config.long_prefill_token_threshold,
                          watermark=config.watermark, max_model_len=config.max_model_len,
-                         full_prompt_must_fit=config.full_prompt_must_fit)
+                         full_prompt_must_fit=config.full_prompt_must_fit, host=host,
+                         preemption=config.preemption)
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host tier (``host_blocks``), or ``None``: its ``stats()`` say what moved."""
+        return self.scheduler.host
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
@@ -114,6 +124,7 @@ class Engine:
                     # [batch, vocab]
                     logits = self.model.forward(self.cache, plan.batch, self.config.attention)
                     sampled = logits.argmax(-1).tolist()
+                    self.scheduler.store_computed(plan)  # a host tier's copies of the new blocks
                 except BaseException:
                     self.scheduler.undo(plan)
                     raise

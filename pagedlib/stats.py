@@ -16,6 +16,9 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0         # recomputed tokens count again
     cached_tokens: int = 0          # found in the prefix cache at admission: attached, not prefilled
+    host_hit_tokens: int = 0        # found in the host tier at admission: copied back, not prefilled
+    swapped_in_tokens: int = 0      # a swapped request's tokens copied back at readmission
+    recomputed_tokens: int = 0      # K/V a recomputing preemption threw away, computed again
     decode_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0            # most blocks held at once
@@ -29,6 +32,9 @@ class EngineStats:
         self.generated_tokens += len(plan.sampling)
         self.prefill_tokens += sum(n for _, n in plan.prefill)
         self.cached_tokens += plan.cached_tokens
+        self.host_hit_tokens += plan.host_hit_tokens
+        self.swapped_in_tokens += plan.swapped_in_tokens
+        self.recomputed_tokens += plan.recomputed_tokens
         self.decode_tokens += len(plan.decode)
         self.preemptions += len(plan.preempted)
         self.peak_blocks = max(self.peak_blocks, used_blocks)

@@ -17,8 +17,8 @@ from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
 
-__all__ = ["InvariantError", "block_holders", "block_owners", "check_hash_cache", "check_invariants",
-           "check_radix_cache", "fill_unused", "holders", "radix_state", "state_diff"]
+__all__ = ["InvariantError", "block_holders", "block_owners", "check_hash_cache", "check_host",
+           "check_invariants", "check_radix_cache", "fill_unused", "holders", "radix_state", "state_diff"]
 
 # what state_diff compares: the attributes of a PagedKVCache
 STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
@@ -278,3 +278,59 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.element_size() == 1:
         return tensor.view(torch.uint8)
     return tensor
+
+
+def check_host(scheduler: Any) -> None:
+    """Raise ``InvariantError`` naming the first broken invariant of a ``Scheduler``'s host tier (notebook
+    13): every host slot is in exactly one place (free, a cached block's, a swapped request's), the policy
+    knows exactly the cached keys, only a preempted request holds swapped slots and they hold its tokens,
+    and a cached block's K/V equal (to rounding) a device block the hash prefix cache holds with that key."""
+    host = scheduler.host
+    if host is None:
+        return
+    cache = host.cache
+    swapped = {req_id: request.swapped for req_id, request in scheduler.requests.items()
+               if request.swapped is not None}
+    places = [("free", slot) for slot in cache.free_slots]
+    places += [(f"key {key!r}", slot) for key, slot in cache.slots.items()]
+    places += [(f"request {req_id}", slot) for req_id, slots in swapped.items() for slot in slots]
+    seen: dict[int, str] = {}
+    for where, slot in places:
+        if slot in seen:
+            raise InvariantError(f"host: slot {slot} is in two places: {seen[slot]} and {where}")
+        seen[slot] = where
+    if len(seen) != cache.capacity or set(seen) != set(range(cache.capacity)):
+        raise InvariantError(f"host: slots lost: {cache.capacity} in the tier, {len(seen)} accounted for")
+    if cache.reserved != sum(len(slots) for slots in swapped.values()):
+        raise InvariantError(f"host: {cache.reserved} slots reserved but swapped requests hold "
+                             f"{sum(len(slots) for slots in swapped.values())}")
+    if cache.pinned and scheduler.plan is None:
+        raise InvariantError(f"host: keys still pinned between steps: {list(cache.pinned)[:4]}")
+    if set(cache.policy.keys()) != set(cache.slots) or len(cache.policy) != len(cache.slots):
+        raise InvariantError("host: the policy's keys are not the cached blocks' keys")
+    block_size = scheduler.block_size
+    for req_id, slots in swapped.items():
+        request = scheduler.requests[req_id]
+        if request.status.name != "PREEMPTED" or req_id in scheduler.cache.seq_lens:
+            raise InvariantError(f"host: request {req_id} holds swapped slots but is {request.status.name}")
+        if len(slots) != ceil_div(request.swapped_tokens, block_size):
+            raise InvariantError(f"host: request {req_id} swapped {request.swapped_tokens} tokens into "
+                                 f"{len(slots)} slots")
+    prefix = scheduler.cache.prefix_cache
+    if prefix is None or isinstance(prefix, RadixCache):
+        return
+    for block, key in prefix.keys.items():
+        slot = cache.slots.get(key)
+        if slot is None or block in _unwritten(scheduler):
+            continue
+        for device, stored in ((scheduler.cache.k, host.k), (scheduler.cache.v, host.v)):
+            # a block computed twice (another chunking, another batch) may differ in its last bits
+            if not torch.allclose(device[block].float(), stored[slot].float(), rtol=1e-3, atol=1e-3):
+                raise InvariantError(f"host: slot {slot} and device block {block} hold the same key "
+                                     f"but different K/V")
+
+
+def _unwritten(scheduler: Any) -> set[int]:
+    """Blocks registered by the open plan, if any: their K/V are not written yet."""
+    plan = scheduler.plan
+    return set(plan.registered) if plan is not None else set()

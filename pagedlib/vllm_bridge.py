@@ -112,6 +112,10 @@ def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
     if config.kv_cache_dtype not in (None, engine.model.dtype):
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype}: the bridge runs vLLM with the model's "
                          f"own dtype only; compare fp8 caches by their tokens (notebook 10)")
+    if config.host_blocks or config.preemption != "recompute":
+        raise ValueError("the engine has a host tier (host_blocks, preemption='swap'): vLLM's offloading "
+                         "connector does not run on its CPU backend; compare tokens with an engine "
+                         "without one (notebook 13)")
     if config.block_size % 32:
         raise ValueError(f"block_size={config.block_size}: vLLM's CPU attention takes multiples of 32 only")
     theirs = json.loads((Path(model) / "config.json").read_text())

@@ -33,6 +33,24 @@ def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: ob
     return max_num_seqs, budget, threshold, max_model_len
 
 
+def host(cache: PagedKVCache, host: object, preemption: object) -> None:
+    """A host tier shaped like ``cache``'s blocks, and a preemption mode it can serve."""
+    from pagedlib.core.host_tier import HostTier
+
+    refuse((preemption not in ("recompute", "swap"),
+            f"preemption must be 'recompute' or 'swap', got {preemption!r}"),
+           (host is not None and not isinstance(host, HostTier),
+            f"host must be a HostTier or None, got {type(host).__name__}"),
+           (preemption == "swap" and host is None, "preemption='swap' needs a host tier to swap into"))
+    if host is None:
+        return
+    refuse((tuple(host.k.shape[1:]) != tuple(cache.k.shape[1:]) or host.k.dtype != cache.k.dtype,
+            f"host tier blocks {tuple(host.k.shape[1:])} {host.k.dtype} do not match the cache's "
+            f"{tuple(cache.k.shape[1:])} {cache.k.dtype}"),
+           (host.write == "victim" and cache.prefix_cache is None,
+            "a victim host tier stores the blocks the prefix cache evicts: it needs prefix caching"))
+
+
 def _optional_int(name: str, value: object) -> int | None:
     if value is None:
         return None

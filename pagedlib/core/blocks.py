@@ -9,7 +9,7 @@ K/V it reserved for are written (``commit``): the engine undoes a step whose for
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pagedlib.core._checks import InvariantError, OutOfBlocksError, what_for  # noqa: F401 (re-exported)
@@ -58,6 +58,7 @@ class BlockManager:
         elif enable_prefix_caching:
             self.prefix_cache = PrefixCache(block_size)  # vLLM's chained block hashes
         self.cow_copies = 0
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,12 +81,15 @@ class BlockManager:
         if taken is None:
             taken = []
         for _ in range(n):
-            if self.free:
-                block = self.free.pop()
-            else:
+            evicted = not self.free
+            if evicted:
                 block = self.prefix_cache.evict()  # type: ignore[union-attr]
+            else:
+                block = self.free.pop()
             self.ref_counts[block] = 1
             taken.append(block)
+            if evicted and self.on_evict is not None:  # a victim tier saves its K/V before reuse
+                self.on_evict(block)
         return taken
 
     def share(self, blocks: Sequence[int]) -> None:

@@ -18,9 +18,15 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.core.kv_pool import KVPool
+from pagedlib.core.prefix_cache import BlockKey
 from pagedlib.util import as_int
 
 POLICIES = ("lru", "arc")
+WRITES = ("through", "victim", "none")
 
 
 class LRU:
@@ -209,6 +215,7 @@ class HostCache:
         self.free_slots = list(reversed(range(self.capacity)))  # the top of the stack is the end
         self.accesses: dict[Hashable, Access] = {}  # by request id, until it finishes
         self.reserved = 0  # slots held outside the policy (swapped blocks)
+        self.pinned: dict[Hashable, int] = {}  # keys being loaded: not evicted until ``release``d
         self.queried_blocks = 0
         self.hit_blocks = 0
         self.stored_blocks = 0
@@ -228,23 +235,39 @@ class HostCache:
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many of ``keys`` (a prompt's blocks after those the device pool found) the tier holds, from
         the first to the first miss. Counted in ``queried_blocks`` and ``hit_blocks``."""
+        hits = self.peek(keys)
+        self.queried_blocks += len(keys)
+        self.hit_blocks += hits
+        return hits
+
+    def peek(self, keys: Sequence[Hashable]) -> int:
+        """``lookup``, counting nothing."""
         hits = 0
         for key in keys:
             if key not in self.slots:
                 break
             hits += 1
-        self.queried_blocks += len(keys)
-        self.hit_blocks += hits
         return hits
 
     def load(self, req_id: Hashable, keys: Sequence[Hashable]) -> list[int]:
-        """Request ``req_id`` reads the blocks of ``keys`` (all held): their slots; a use for the policy."""
+        """Request ``req_id`` reads the blocks of ``keys`` (all held): their slots, pinned (never evicted)
+        until ``release``d, as vLLM's ``prepare_load`` pins them until ``complete_load``. A use, for the
+        policy."""
         slots = [self.slots[key] for key in keys]
+        for key in keys:
+            self.pinned[key] = self.pinned.get(key, 0) + 1
         access = self.access(req_id)
         access.saw(keys)
         access.reused.update(key for key in keys if key not in access.inserted)
         self.policy.touch(list(keys))
         return slots
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """The blocks of ``keys`` are read: they may be evicted again."""
+        for key in keys:
+            self.pinned[key] -= 1
+            if not self.pinned[key]:
+                del self.pinned[key]
 
     def store(self, req_id: Hashable, keys: Sequence[Hashable]) -> list[tuple[Hashable, int]] | None:
         """Make room for the blocks of ``keys`` the tier lacks and take a slot for each: ``(key, slot)``
@@ -265,7 +288,7 @@ class HostCache:
             return []
         short = len(new) - len(self.free_slots)
         if short > 0:
-            evicted = self.policy.evict(short, set(keys))
+            evicted = self.policy.evict(short, set(keys) | set(self.pinned))
             if evicted is None:
                 self.refused_stores += 1
                 return None
@@ -304,7 +327,7 @@ class HostCache:
         self.last_evicted = []
         short = n - len(self.free_slots)
         if short > 0:
-            evicted = self.policy.evict(short, set())
+            evicted = self.policy.evict(short, set(self.pinned))
             if evicted is None:
                 return None
             for key in evicted:
@@ -327,3 +350,96 @@ class HostCache:
         assert len(set(self.free_slots)) == len(self.free_slots), "a slot is free twice"
         assert len(used) + len(self.free_slots) + self.reserved == self.capacity, "slots lost"
         assert set(self.policy.keys()) == set(self.slots), "the policy and the slots disagree"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as ``uint8`` (the same bytes): torch's CPU indexing has no fp8 kernels."""
+    if t.dtype in FP8_DTYPES:
+        return t.view(torch.uint8)
+    return t
+
+
+class HostTier:
+    """A host pool of ``num_blocks`` blocks shaped like ``device``'s blocks (``KVPool``), the ``HostCache``
+    that decides what it holds, and the copies between the two, counted. ``write``: ``"through"`` (every
+    full block is stored as soon as it is computed, vLLM's offloading connector), ``"victim"`` (a block is
+    stored when the device's prefix cache evicts it) or ``"none"`` (the tier holds swapped blocks only).
+    On a machine with a GPU the host pool is pinned memory; here it is another tensor, and a copy is a copy.
+    """
+
+    def __init__(self, device: KVPool, num_blocks: int, policy: str = "lru", write: str = "through") -> None:
+        self.cache = HostCache(num_blocks, policy)
+        if write not in WRITES:
+            raise ValueError(f"host_write must be one of {WRITES}, got {write!r}")
+        self.write = write
+        shape = (self.cache.capacity, *device.k.shape[1:])  # [M, L, block_size, H, D]
+        pin = device.k.is_cuda
+        self.k = torch.zeros(shape, dtype=device.k.dtype, pin_memory=pin)
+        self.v = torch.zeros_like(self.k, pin_memory=pin)
+        self.block_bytes = 2 * self.k[0].numel() * self.k.element_size()  # K and V, every layer
+        self.keys: dict[Hashable, list[BlockKey]] = {}  # each request's full blocks' keys, so far
+        self.device_keys: dict[int, BlockKey] = {}  # victim: the key of each device block's content
+        self.saved_blocks = 0     # device -> host copies of cached blocks (write-through or victim)
+        self.loaded_blocks = 0    # host -> device copies of cached blocks (host hits)
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.swap_fallbacks = 0   # preemptions that recomputed because the tier had no room
+
+    @property
+    def bytes_moved(self) -> int:
+        blocks = self.saved_blocks + self.loaded_blocks + self.swapped_out_blocks + self.swapped_in_blocks
+        return blocks * self.block_bytes
+
+    def stats(self) -> dict[str, int | float]:
+        cache = self.cache
+        return {"host_blocks": cache.capacity, "cached": len(cache), "swapped": cache.reserved,
+                "queried_blocks": cache.queried_blocks, "hit_blocks": cache.hit_blocks,
+                "hit_rate": cache.hit_blocks / max(cache.queried_blocks, 1),
+                "saved_blocks": self.saved_blocks, "loaded_blocks": self.loaded_blocks,
+                "evicted_blocks": cache.evicted_blocks, "refused_stores": cache.refused_stores,
+                "swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks,
+                "swap_fallbacks": self.swap_fallbacks, "bytes_moved": self.bytes_moved}
+
+    def block_keys(self, req_id: Hashable, token_ids: Sequence[int], n: int, block_size: int
+                   ) -> list[BlockKey]:
+        """The chained keys of the first ``n`` full blocks of ``token_ids`` (request ``req_id``'s; kept)."""
+        keys = self.keys.setdefault(req_id, [])
+        while len(keys) < n:
+            index = len(keys)
+            parent = keys[-1] if keys else None
+            keys.append(BlockKey(parent, tuple(token_ids[index * block_size:(index + 1) * block_size])))
+        return keys[:n]
+
+    def save(self, device: KVPool, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy device ``blocks`` into host ``slots`` (every layer, K and V)."""
+        src = torch.tensor(list(blocks), dtype=torch.long, device=device.device)
+        dst = torch.tensor(list(slots), dtype=torch.long)
+        for host, pool in ((self.k, device.k), (self.v, device.v)):
+            _bits(host)[dst] = _bits(pool).index_select(0, src).cpu()
+
+    def load(self, device: KVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        """Copy host ``slots`` into device ``blocks``."""
+        src = torch.tensor(list(slots), dtype=torch.long)
+        dst = torch.tensor(list(blocks), dtype=torch.long, device=device.device)
+        for host, pool in ((self.k, device.k), (self.v, device.v)):
+            _bits(pool)[dst] = _bits(host).index_select(0, src).to(device.device, non_blocking=True)
+
+    def store(self, req_id: Hashable, device: KVPool, keys: Sequence[BlockKey], blocks: Sequence[int]
+              ) -> int:
+        """Store the device ``blocks`` holding ``keys`` that the tier lacks (all or none): blocks copied."""
+        taken = self.cache.store(req_id, keys)
+        if not taken:
+            return 0
+        where = dict(zip(keys, blocks))
+        try:
+            self.save(device, [where[key] for key, _ in taken], [slot for _, slot in taken])
+        except BaseException:
+            self.cache.cancel_store(taken)
+            raise
+        self.saved_blocks += len(taken)
+        return len(taken)
+
+    def forget(self, req_id: Hashable) -> None:
+        """Request ``req_id`` finished: the policy learns its uses; its keys are dropped."""
+        self.cache.finish(req_id)
+        self.keys.pop(req_id, None)

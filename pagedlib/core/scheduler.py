@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedlib.core import _scheduler_checks as checks
 from pagedlib.core.blocks import Reservation
 from pagedlib.core.cache import Batch, PagedKVCache
+from pagedlib.core.host_tier import HostTier
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.core.request import Request, Status
 from pagedlib.util import ceil_div
@@ -29,7 +30,8 @@ class StepPlan:
     sampling: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # lost their blocks; now first in the queue
     blocked: bool = False  # a waiting request was refused for lack of memory
-    hits: dict[int, int] = field(default_factory=dict)  # admitted request id -> prompt tokens found cached
+    # admitted request id -> prompt tokens found cached (in the prefix cache, then the host tier)
+    hits: dict[int, int] = field(default_factory=dict)
     cached_tokens: int = 0  # tokens this step's admissions found in the prefix cache
     recomputed_tokens: int = 0  # K/V lost to earlier preemptions that this step's admissions compute again
     # what the forward pass reads, a row per entry of ``work``: slots, tables, lengths, block copies
@@ -38,6 +40,10 @@ class StepPlan:
     journal: list[Reservation | tuple[Request, Status]] = field(default_factory=list)
     registered: set[int] = field(default_factory=set)  # blocks made findable, K/V not yet written
     lookups: tuple[int, int] = (0, 0)  # the prefix cache's (queried, hit) tokens before the step's lookups
+    host_hit_tokens: int = 0  # tokens this step's admissions found in the host tier (copied back)
+    swapped_in: list[Request] = field(default_factory=list)  # readmitted with their swapped blocks
+    swapped_in_tokens: int = 0  # tokens those blocks hold (copied back, not recomputed)
+    stored: bool = False  # its computed blocks went to the host tier (``Scheduler.store_computed``)
 
     @property
     def num_tokens(self) -> int:  # new tokens of the step's forward pass
@@ -55,6 +61,11 @@ class Scheduler:
     - ``long_prefill_token_threshold``: the most tokens of one request a step takes, applied only while
       more than one request is running or waiting.
 
+    With a ``host`` tier (notebook 13) an admission looks the blocks after the prefix cache's hits up there
+    too, and copies those found into new blocks; full blocks are stored there as ``host.write`` says; and
+    ``preemption="swap"`` copies a victim's blocks there instead of dropping them, falling back to
+    recomputation when the tier has no room.
+
     ``schedule`` makes a plan and takes its blocks; the caller runs it, then ``update``s (the step ran) or
     ``undo``es it (the step failed). Only one plan is open at a time."""
 
@@ -62,10 +73,14 @@ class Scheduler:
                  max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
                  watermark: float = 0.0, max_model_len: int = 2048,
-                 full_prompt_must_fit: bool = True) -> None:
+                 full_prompt_must_fit: bool = True, host: HostTier | None = None,
+                 preemption: str = "recompute") -> None:
         limits = checks.scheduler(cache, max_num_seqs, max_num_batched_tokens,
                                   long_prefill_token_threshold, watermark, max_model_len,
                                   full_prompt_must_fit)
+        checks.host(cache, host, preemption)
+        self.host = host
+        self.preemption = preemption
         # the step's limits; chunk_cap: the most tokens of one request a step takes
         self.max_num_seqs, self.max_num_batched_tokens, self.chunk_cap, self.max_model_len = limits
         self.full_prompt_must_fit = full_prompt_must_fit
@@ -78,6 +93,8 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.plan: StepPlan | None = None  # the plan made and not yet updated or undone
         self.cap: int | None = None  # this step's chunk cap
+        if host is not None and host.write == "victim":
+            cache.manager.on_evict = self.save_victim
 
     def blocks_alone(self, request: Request) -> int:
         """Blocks ``request`` needs to run alone: the most it ever holds."""
@@ -170,11 +187,35 @@ class Scheduler:
 
     def preempt(self) -> Request:
         """Free the newest running request's blocks and queue it first again: its K/V will be
-        computed again (less what the prefix cache still finds)."""
+        computed again (less what the prefix cache still finds), or, swapped, copied back."""
         request = self.running[-1]
+        if self.preemption == "swap" and self.swap_out(request):
+            return request
+        if self.host is not None and self.preemption == "swap":
+            self.host.swap_fallbacks += 1
         request.lost_tokens = request.num_computed_tokens
         self.requeue(request, Status.PREEMPTED)
         return request
+
+    def swap_out(self, request: Request) -> bool:
+        """Copy every block of ``request`` into host slots and free them: ``False`` (nothing changed) if the
+        tier cannot make room for them all."""
+        host = self.host
+        table = self.cache.tables[request.req_id]
+        slots = host.cache.take_slots(len(table))
+        if slots is None:
+            return False
+        try:
+            host.save(self.cache.pool, table, slots)
+        except BaseException:
+            host.cache.give_slots(slots)
+            raise
+        host.swapped_out_blocks += len(slots)
+        request.swapped = slots
+        tokens = request.num_computed_tokens
+        self.requeue(request, Status.PREEMPTED)
+        request.num_computed_tokens = request.swapped_tokens = tokens
+        return True
 
     def schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in arrival order while ``max_num_seqs``, the token budget and the
@@ -187,7 +228,7 @@ class Scheduler:
         """Admit ``request`` with its first chunk, or say it must wait (no tokens left in the step, or too
         few blocks: ``plan.blocked``)."""
         checks.admissible(self, request)
-        found, found_tokens = self.cached_prefix(request, plan)
+        found, found_tokens, loads = self.cached_prefix(request, plan)
         n = self.chunk_size(plan, request.num_tokens - found_tokens)
         if n <= 0:
             return False
@@ -201,29 +242,46 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(request)
         request.status = Status.RUNNING
-        request.num_computed_tokens = self.attach(plan, request)
+        restored = plan.swapped_in_tokens
+        request.num_computed_tokens = self.attach(plan, request, loads)
+        restored = plan.swapped_in_tokens - restored  # copied back from a swap: not a cache hit
         # found by the prefix cache (not num_computed_tokens: a window's attach counts skipped tokens too)
-        held = self.cache.seq_lens[request.req_id]
-        plan.hits[request.req_id] = held
-        plan.cached_tokens += held
+        held = self.cache.seq_lens[request.req_id] - restored
+        plan.hits[request.req_id] = held  # the prefix cache's and the host tier's
+        plan.cached_tokens += held - len(loads) * self.block_size
         plan.recomputed_tokens += max(0, request.lost_tokens - held)
         n = self.chunk_size(plan, request.num_uncomputed_tokens)
         plan.prefill.append((request, n))
         self.allocate(plan, request, n)
         return True
 
-    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int]:
-        """The cached blocks ``attach`` will find for ``request``, and the tokens they hold (the radix
-        cache also copies part of a block, into one of the new blocks). Changes nothing."""
+    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int, list]:
+        """The cached blocks ``attach`` will find for ``request``, the tokens they hold (the radix cache
+        also copies part of a block, into one of the new blocks), and the host tier's keys of the full blocks
+        after them it will copy back. A swapped request finds its own tokens after the prefix cache's hits.
+        Changes nothing."""
         prefix_cache = self.cache.prefix_cache
-        if prefix_cache is None:
-            return [], 0
+        found: list[int] = []
+        if prefix_cache is not None:
+            found = prefix_cache.peek(request.token_ids)
+        if request.swapped is not None:
+            return found, max(len(found) * self.block_size, request.swapped_tokens), []
+        loads = self.host_prefix(request, len(found))
+        tokens = (len(found) + len(loads)) * self.block_size
+        if isinstance(prefix_cache, RadixCache) and not loads:
+            tokens += prefix_cache.partial_match(request.token_ids, found, plan.registered)[1]
+        return found, tokens, loads
+
+    def host_prefix(self, request: Request, start: int) -> list:
+        """The keys of the full blocks from block ``start`` on that the host tier holds, to the first miss
+        (at most up to the block holding the last prompt token: it is computed for its logits)."""
+        host = self.host
+        if host is None or host.write == "none" or request.prompt_tokens is None:
+            return []
         token_ids = request.token_ids
-        found = prefix_cache.peek(token_ids)
-        tokens = len(found) * self.block_size
-        if isinstance(prefix_cache, RadixCache):
-            tokens += prefix_cache.partial_match(token_ids, found, plan.registered)[1]
-        return found, tokens
+        keys = host.block_keys(request.req_id, token_ids, (len(token_ids) - 1) // self.block_size,
+                               self.block_size)[start:]
+        return keys[:host.cache.peek(keys)]
 
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         """vLLM 0.32.0's admission test (``KVCacheManager.allocate_slots``): the blocks a sequence of
@@ -235,15 +293,51 @@ class Scheduler:
             need += self.watermark_blocks
         return need <= self.cache.num_free_blocks
 
-    def attach(self, plan: StepPlan, request: Request) -> int:
-        """Start ``request``'s sequence with the blocks the prefix cache finds: the tokens found."""
+    def attach(self, plan: StepPlan, request: Request, loads: list) -> int:
+        """Start ``request``'s sequence with the blocks the prefix cache finds, then the host tier's
+        ``loads`` (or its swapped blocks) copied into new blocks: the tokens found."""
         manager = self.cache.manager
         if self.cache.prefix_cache is None:
-            return manager.add_sequence(request.req_id)
-        token_ids = request.token_ids
-        manager.add_sequence(request.req_id, token_ids)
-        plan.batch.copies += manager.share_partial_block(request.req_id, token_ids, plan.registered)
+            manager.add_sequence(request.req_id)
+        else:
+            manager.add_sequence(request.req_id, request.token_ids)
+        if request.swapped is not None:  # the blocks after the prefix cache's hits come back from the host
+            start = self.cache.seq_lens[request.req_id]
+            if start < request.swapped_tokens:
+                slots = request.swapped[start // self.block_size:]
+                self.copy_in(plan, request, request.swapped_tokens - start, slots)
+                self.host.swapped_in_blocks += len(slots)
+                plan.swapped_in_tokens += request.swapped_tokens - start
+            plan.swapped_in.append(request)
+            return self.cache.seq_lens[request.req_id]
+        if loads:
+            host = self.host
+            start = self.cache.seq_lens[request.req_id] // self.block_size
+            host.cache.lookup(host.block_keys(request.req_id, request.token_ids,
+                                              (request.num_tokens - 1) // self.block_size,
+                                              self.block_size)[start:])  # counted once admitted
+            slots = host.cache.load(request.req_id, loads)  # pinned: the blocks the copy-in evicts are others
+            try:
+                self.copy_in(plan, request, len(loads) * self.block_size, slots)
+            finally:
+                host.cache.release(loads)
+            host.loaded_blocks += len(loads)
+            plan.host_hit_tokens += len(loads) * self.block_size
+        elif self.cache.prefix_cache is not None:
+            plan.batch.copies += manager.share_partial_block(request.req_id, request.token_ids,
+                                                             plan.registered)
         return self.cache.seq_lens[request.req_id]
+
+    def copy_in(self, plan: StepPlan, request: Request, n: int, slots: list[int]) -> None:
+        """Reserve ``n`` tokens of ``request`` after those it holds and copy host ``slots`` into their blocks
+        (the reservation, in the journal, is undone with the step)."""
+        start = self.cache.seq_lens[request.req_id]
+        record = self.cache.manager.reserve([request.req_id], [n], request.token_ids[start:start + n])
+        plan.journal.append(record)
+        plan.registered.update(record.registered)
+        table = self.cache.tables[request.req_id]
+        self.host.load(self.cache.pool, slots, table[start // self.block_size:ceil_div(start + n,
+                                                                                         self.block_size)])
 
     def requeue(self, request: Request, status: Status) -> None:
         """Free ``request``'s blocks and queue it first again with ``status``, nothing computed: a
@@ -252,6 +346,8 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
         request.num_computed_tokens = 0
+        if request.swapped is not None:  # an undone readmission: its blocks are still in the host tier
+            request.num_computed_tokens = request.swapped_tokens
         request.status = status
 
     def undo(self, plan: StepPlan) -> None:
@@ -280,11 +376,15 @@ class Scheduler:
         requests. A plan is taken once, and only the latest."""
         checks.open_plan(self, plan)
         sampled = checks.sampled(sampled, len(plan.work))
+        self.store_computed(plan)
         for entry in plan.journal:
             if isinstance(entry, Reservation):
                 self.cache.manager.commit(entry)
         plan.journal.clear()
         self.plan = None
+        for request in plan.swapped_in:  # its blocks are back in the device pool
+            self.host.cache.give_slots(request.swapped)
+            request.swapped = None
         finished = []
         for (request, n), token in zip(plan.work, sampled):
             if n == request.num_uncomputed_tokens:
@@ -295,14 +395,50 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def store_computed(self, plan: StepPlan) -> None:
+        """The step's K/V are written: each block a request filled goes to the host tier (write-through),
+        or is remembered as the content of its device block (victim, stored when evicted). Once a plan; the
+        engine calls it before ``update``, where the step can still be undone if a copy is interrupted."""
+        host = self.host
+        if host is None or host.write == "none" or plan.stored:
+            return
+        plan.stored = True
+        for request, n in plan.work:
+            if request.prompt_tokens is None:
+                continue
+            first = request.num_computed_tokens // self.block_size
+            last = (request.num_computed_tokens + n) // self.block_size
+            if last == first:
+                continue
+            table = self.cache.tables[request.req_id]
+            keys = host.block_keys(request.req_id, request.token_ids, last, self.block_size)
+            if host.write == "through":
+                host.store(request.req_id, self.cache.pool, keys[first:], table[first:last])
+            else:
+                for index in range(last):
+                    host.device_keys[table[index]] = keys[index]
+
+    def save_victim(self, block: int) -> None:
+        """The prefix cache evicts ``block`` for new content: its K/V go to the host tier first."""
+        key = self.host.device_keys.pop(block, None)
+        if key is not None:
+            self.host.store("evictions", self.cache.pool, [key], [block])
+            self.host.cache.finish("evictions")  # an insertion, nothing more
+
     def finish(self, request: Request) -> None:
-        """Forget ``request``: a running one gives its blocks back, a waiting one leaves the queue."""
+        """Forget ``request``: a running one gives its blocks back, a waiting one leaves the queue (a
+        swapped one its host slots)."""
         checks.unfinished(self, request)
         if request.status is Status.RUNNING:
             self.free(request)
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if request.swapped is not None:
+            self.host.cache.give_slots(request.swapped)
+            request.swapped = None
+        if self.host is not None:
+            self.host.forget(request.req_id)
         request.status = Status.FINISHED
         del self.requests[request.req_id]
 

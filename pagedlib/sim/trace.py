@@ -151,8 +151,10 @@ def replay(requests: Iterable[TraceRequest], blocks: int, host_blocks: int = 0, 
         d = device.lookup(ids)
         h = host.lookup(ids[d:]) if host is not None else 0
         device.load(number, ids[:d])
+        device.release(ids[:d])
         if host is not None and h:
             host.load(number, ids[d:d + h])
+            host.release(ids[d:d + h])
         device.store(number, ids[d:])  # loaded and computed blocks land in the device tier
         gone = device.last_evicted
         if host is not None and write == "through":
