@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m pagedlib.bench {alloc,attention,tracer,generate,serving,gpu} [--json FILE] ...``.
+"""Benchmarks: ``python -m pagedlib.bench {alloc,attention,tracer,generate,serving,trace,gpu} ...``.
 
 Speed is measured here, never asserted in tests. Each subcommand prints a table and can write JSON
 (``--json FILE``; ``gpu`` always writes its files to ``--out-dir``) with the machine and library

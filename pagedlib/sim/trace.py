@@ -20,6 +20,7 @@ from pagedlib.core.host_tier import POLICIES, HostCache
 from pagedlib.util import as_int
 
 MOONCAKE_BLOCK_TOKENS = 512  # the block of Mooncake's traces
+MOONCAKE_TRACE = Path(__file__).parent.parent / "data" / "mooncake" / "conversation_trace.jsonl"  # shipped
 WRITES = ("through", "victim")
 
 
