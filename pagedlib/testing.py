@@ -288,9 +288,15 @@ def check_host(scheduler: Any) -> None:
     host = scheduler.host
     if host is None:
         return
-    cache = host.cache
     swapped = {req_id: request.swapped for req_id, request in scheduler.requests.items()
                if request.swapped is not None}
+    _check_host_slots(scheduler, swapped)
+    _check_swapped(scheduler, swapped)
+    _check_host_contents(scheduler)
+
+
+def _check_host_slots(scheduler: Any, swapped: dict) -> None:
+    cache = scheduler.host.cache
     places = [("free", slot) for slot in cache.free_slots]
     places += [(f"key {key!r}", slot) for key, slot in cache.slots.items()]
     places += [(f"request {req_id}", slot) for req_id, slots in swapped.items() for slot in slots]
@@ -308,6 +314,9 @@ def check_host(scheduler: Any) -> None:
         raise InvariantError(f"host: keys still pinned between steps: {list(cache.pinned)[:4]}")
     if set(cache.policy.keys()) != set(cache.slots) or len(cache.policy) != len(cache.slots):
         raise InvariantError("host: the policy's keys are not the cached blocks' keys")
+
+
+def _check_swapped(scheduler: Any, swapped: dict) -> None:
     block_size = scheduler.block_size
     for req_id, slots in swapped.items():
         request = scheduler.requests[req_id]
@@ -316,6 +325,11 @@ def check_host(scheduler: Any) -> None:
         if len(slots) != ceil_div(request.swapped_tokens, block_size):
             raise InvariantError(f"host: request {req_id} swapped {request.swapped_tokens} tokens into "
                                  f"{len(slots)} slots")
+
+
+def _check_host_contents(scheduler: Any) -> None:
+    host = scheduler.host
+    cache = host.cache
     prefix = scheduler.cache.prefix_cache
     if prefix is None or isinstance(prefix, RadixCache):
         return

@@ -324,6 +324,7 @@ class HostCache:
     def take_slots(self, n: int) -> list[int] | None:
         """``n`` slots outside the policy (a swapped request's), evicting cached blocks for them; ``None``
         (nothing changed) if the tier cannot free enough."""
+        n = as_int("n", n, minimum=0)
         self.last_evicted = []
         short = n - len(self.free_slots)
         if short > 0:

@@ -66,18 +66,21 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     path = Path(path)
     if limit is not None:
         limit = as_int("limit", limit, minimum=1)
+    if path.is_dir():
+        raise TraceError(f"{path}: a folder, not a trace file")
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     requests = []
-    with path.open(encoding="utf-8") as file:
-        try:
-            for number, line in enumerate(file, 1):
-                if limit is not None and len(requests) == limit:
-                    break
-                if line.strip():
-                    requests.append(parse_line(line, number, str(path)))
-        except UnicodeDecodeError:
-            raise TraceError(f"{path}, line {len(requests) + 1}: not UTF-8 text") from None
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, 1):
+            if limit is not None and len(requests) == limit:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}, line {number}: not UTF-8 text") from None
+            if line.strip():
+                requests.append(parse_line(line, number, str(path)))
     if not requests:
         raise TraceError(f"{path}: no requests")
     return requests
@@ -97,6 +100,18 @@ class ReplayResult:
     saved_tokens: int = 0     # prompt tokens found (not prefilled again)
     ceiling_tokens: int = 0
     per_request: list[tuple[int, int]] = field(default_factory=list)  # (device hits, host hits) each
+
+    def add(self, request: TraceRequest, device: int, host: int, ceiling: int, block_size: int) -> None:
+        """Count one request that found ``device`` then ``host`` blocks (an infinite cache ``ceiling``)."""
+        self.requests += 1
+        self.blocks += len(request.hash_ids)
+        self.device_hits += device
+        self.host_hits += host
+        self.ceiling_hits += ceiling
+        self.tokens += request.input_length
+        self.saved_tokens += sum(block_tokens(request, i, block_size) for i in range(device + host))
+        self.ceiling_tokens += sum(block_tokens(request, i, block_size) for i in range(ceiling))
+        self.per_request.append((device, host))
 
     @property
     def hit_rate(self) -> float:
@@ -148,39 +163,34 @@ def replay(requests: Iterable[TraceRequest], blocks: int, host_blocks: int = 0, 
 
     requests = list(requests)
     for number, request in enumerate(tqdm(requests, disable=not progress, desc="replay", unit="req")):
-        ids = list(request.hash_ids)
-        d = device.lookup(ids)
-        h = host.lookup(ids[d:]) if host is not None else 0
-        device.load(number, ids[:d])
-        device.release(ids[:d])
-        if host is not None and h:
-            host.load(number, ids[d:d + h])
-            host.release(ids[d:d + h])
-        device.store(number, ids[d:])  # loaded and computed blocks land in the device tier
-        gone = device.last_evicted
-        if host is not None and write == "through":
-            host.store(number, ids[d + h:])
-        elif host is not None:  # victim: what the device tier just evicted goes to the host
-            if gone:
-                host.store(number, gone)
-        device.finish(number)
-        if host is not None:
-            host.finish(number)
+        d, h = serve(number, list(request.hash_ids), device, host, write)
         ceiling = 0
-        while ceiling < len(ids) and ids[ceiling] in seen:
+        while ceiling < len(request.hash_ids) and request.hash_ids[ceiling] in seen:
             ceiling += 1
-        seen.update(ids)
-        size = block_size
-        result.requests += 1
-        result.blocks += len(ids)
-        result.device_hits += d
-        result.host_hits += h
-        result.ceiling_hits += ceiling
-        result.tokens += request.input_length
-        result.saved_tokens += sum(block_tokens(request, i, size) for i in range(d + h))
-        result.ceiling_tokens += sum(block_tokens(request, i, size) for i in range(ceiling))
-        result.per_request.append((d, h))
+        seen.update(request.hash_ids)
+        result.add(request, d, h, ceiling, block_size)
     return result
+
+
+def serve(number: int, ids: list[int], device: HostCache, host: HostCache | None, write: str
+          ) -> tuple[int, int]:
+    """One request of a replay: the blocks it finds in the device tier, then in the host tier."""
+    d = device.lookup(ids)
+    h = host.lookup(ids[d:]) if host is not None else 0
+    device.load(number, ids[:d])
+    device.release(ids[:d])
+    if host is not None and h:
+        host.load(number, ids[d:d + h])
+        host.release(ids[d:d + h])
+    device.store(number, ids[d:])  # loaded and computed blocks land in the device tier
+    if host is not None and write == "through":
+        host.store(number, ids[d + h:])
+    elif host is not None and device.last_evicted:  # victim: what the device tier evicted goes there
+        host.store(number, device.last_evicted)
+    device.finish(number)
+    if host is not None:
+        host.finish(number)
+    return d, h
 
 
 def capacity_sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], **options: object
