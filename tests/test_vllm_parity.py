@@ -175,6 +175,58 @@ def test_same_tokens_and_same_schedule_as_vllm(name, tiny, vllm):
     assert happened(ours), f"workload {name} did not exercise what it is there for"
 
 
+def host_tier_workload(rng):
+    """Three conversations whose blocks four long requests evict from an 8-block pool (and which outgrow it
+    while they run: preemptions) before each conversation's second turn arrives."""
+    first = [tokens(rng, rng.randrange(40, 70)) for _ in range(3)]
+    answers = Engine(load_tiny_model(), 24, BLOCK, max_num_batched_tokens=128).generate(first, 12)
+    workload = [Arrival(f"a{i}", prompt, 12) for i, prompt in enumerate(first)]
+    workload += [Arrival(f"fill{i}", tokens(rng, 60), 40, step=15 + i) for i in range(4)]
+    return workload + [Arrival(f"b{i}", prompt + answer + tokens(rng, 10), 12, step=80)
+                       for i, (prompt, answer) in enumerate(zip(first, answers))]
+
+
+def load_tiny_model():
+    from pagedlib.teach.train_tiny import load_tiny
+
+    return load_tiny()[0]
+
+
+# notebook 13's host tier: (Engine settings, what the run must show it did)
+HOST_TIERS = {
+    "write-through, hash": ({"enable_prefix_caching": True, "host_blocks": 64},
+                            lambda s: s["loaded_blocks"] > 0),
+    "victim, radix": ({"enable_prefix_caching": True, "prefix_cache": "radix", "host_blocks": 64,
+                       "host_write": "victim"}, lambda s: s["loaded_blocks"] > 0),
+    "swap, no prefix cache": ({"host_blocks": 64, "preemption": "swap", "host_write": "none"},
+                              lambda s: s["swapped_in_blocks"] > 0),
+    "swap and write-through, radix": ({"enable_prefix_caching": True, "prefix_cache": "radix",
+                                       "host_blocks": 64, "preemption": "swap"},
+                                      lambda s: s["swapped_in_blocks"] > 0 and s["loaded_blocks"] > 0),
+}
+
+
+@pytest.fixture(scope="module")
+def host_tier_case(tiny, vllm):
+    """The workload and vLLM's tokens for it (vLLM has no host tier on its CPU backend: its own pool)."""
+    workload = host_tier_workload(random.Random(5))
+    plain = engine_for(tiny, 8, max_num_batched_tokens=128, max_num_seqs=8)
+    return workload, vllm.run(config_of(plain), workload)[1]
+
+
+@pytest.mark.parametrize("name", HOST_TIERS)
+def test_a_host_tier_changes_no_token_of_vllms(name, tiny, host_tier_case):
+    settings, happened = HOST_TIERS[name]
+    workload, their_tokens = host_tier_case
+    settings = dict(settings)
+    engine = Engine(tiny, 8, BLOCK, max_num_batched_tokens=128, max_num_seqs=8, **settings)
+    _, our_tokens = run_engine(engine, workload)
+    assert our_tokens == their_tokens
+    assert engine.stats.preemptions > 0 and happened(engine.host.stats())
+    with pytest.raises(ValueError, match="host tier"):
+        config_of(engine)
+
+
 def random_workload(seed: int) -> tuple[list[Arrival], dict]:
     """A seeded workload and pool: arrivals over a few steps, prompts that share prefixes (or not), lengths
     across block boundaries, pools from tight to roomy, budgets from one block up."""
