@@ -46,7 +46,9 @@ class WindowScheduler(Scheduler):
         refuse((cache.prefix_cache is not None, "sliding_window cannot be combined with prefix caching (a "
                 "cached block's key names the block before it, which the window would free)"))
         refuse((options.get("max_num_batched_tokens") is not None,
-                "chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no sliding_window"))
+                "chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no sliding_window"),
+               (options.get("host") is not None, "sliding_window takes no host tier: the window frees the "
+                "blocks a host tier's keys chain through"))
         super().__init__(cache, **options)
         self.window = as_int("sliding_window", sliding_window, minimum=1)
         self.skipped_tokens = 0  # computed at admission but never stored: behind the window already
@@ -65,14 +67,14 @@ class WindowScheduler(Scheduler):
         behind = max(0, request.num_tokens - self.window)
         return behind // self.block_size * self.block_size
 
-    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int]:
-        return [], self.first_stored(request)  # the tokens before need no block
+    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int, list]:
+        return [], self.first_stored(request), []  # the tokens before need no block; no host tier
 
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         return super().fits(request, found, num_tokens - self.first_stored(request))
 
-    def attach(self, plan: StepPlan, request: Request) -> int:
-        super().attach(plan, request)
+    def attach(self, plan: StepPlan, request: Request, loads: list) -> int:
+        super().attach(plan, request, loads)
         start = self.first_stored(request)
         self.skipped_tokens += start
         return start
