@@ -224,3 +224,56 @@ def test_random_runs_with_interrupted_copies_keep_every_block_and_every_token(
     assert [engine.output(i) for i in ids] == expected
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
     assert host.cache.reserved == 0
+
+
+def test_an_fp8_cache_moves_its_bytes_unchanged():
+    """fp8 blocks are copied as their bytes (torch has no fp8 indexing on the CPU): the tokens are the fp8
+    engine's own."""
+    fp8 = dict(kv_cache_dtype=torch.float8_e4m3fn, enable_prefix_caching=True, max_num_batched_tokens=16)
+    plain = run(Engine.from_hf(hf(), device_blocks(), BLOCK, **fp8), [list(p) for p in prompts()])
+    engine = Engine.from_hf(hf(), device_blocks(), BLOCK, host_blocks=64, preemption="swap", **fp8)
+    assert run(engine, [list(p) for p in prompts()]) == plain
+    assert engine.host.k.dtype == torch.float8_e4m3fn and engine.host.stats()["loaded_blocks"] > 0
+
+
+def test_aborting_a_swapped_request_gives_its_host_slots_back():
+    engine = Engine.from_hf(hf(), device_blocks(), BLOCK, host_blocks=64, preemption="swap",
+                            host_write="none", max_num_batched_tokens=16)
+    ids = [engine.add_request(list(p), NEW_TOKENS) for p in prompts()]
+    swapped = None
+    while swapped is None and engine.has_unfinished():
+        engine.step()
+        swapped = next((r for r in engine.scheduler.waiting if r.swapped is not None), None)
+    assert swapped is not None, "the workload swaps a request out"
+    held, its_slots = engine.host.cache.reserved, len(swapped.swapped)
+    engine.abort(swapped.req_id)
+    assert engine.host.cache.reserved == held - its_slots and its_slots > 0
+    assert swapped.swapped is None
+    check_host(engine.scheduler)
+    while engine.has_unfinished():
+        engine.step()
+        check_host(engine.scheduler)
+    assert engine.host.cache.reserved == 0
+    assert all(engine.output(i) for i in ids if i != swapped.req_id)
+
+
+def test_an_interrupted_generate_leaves_a_fresh_tier_and_the_same_tokens_after():
+    engine = Engine.from_hf(hf(), device_blocks(), BLOCK, enable_prefix_caching=True, host_blocks=64,
+                            preemption="swap", max_num_batched_tokens=16)
+    calls = 0
+    forward = engine.model.forward
+
+    def interrupted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 20:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    engine.model.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([list(p) for p in prompts()], NEW_TOKENS)
+    del engine.model.forward
+    assert engine.host.cache.reserved == 0 and len(engine.host.cache) == 0  # reset: a new tier
+    got = engine.generate([list(p) for p in prompts()], NEW_TOKENS)
+    assert [tuple(t) for t in got] == [want(i) for i in range(len(prompts()))]
