@@ -200,6 +200,8 @@ HOST_TIERS = {
                        "host_write": "victim"}, lambda s: s["loaded_blocks"] > 0),
     "swap, no prefix cache": ({"host_blocks": 64, "preemption": "swap", "host_write": "none"},
                               lambda s: s["swapped_in_blocks"] > 0),
+    "swap and write-through, hash": ({"enable_prefix_caching": True, "host_blocks": 64, "preemption": "swap"},
+                                     lambda s: s["swapped_in_blocks"] > 0),
     "swap and write-through, radix": ({"enable_prefix_caching": True, "prefix_cache": "radix",
                                        "host_blocks": 64, "preemption": "swap"},
                                       lambda s: s["swapped_in_blocks"] > 0 and s["loaded_blocks"] > 0),

@@ -80,15 +80,16 @@ class BlockManager:
             raise OutOfBlocksError(n, self.num_free_blocks, what)
         if taken is None:
             taken = []
+        first_evicted = len(taken) + len(self.free)  # blocks past the free stack's are evicted
         for _ in range(n):
-            evicted = not self.free
-            if evicted:
-                block = self.prefix_cache.evict()  # type: ignore[union-attr]
-            else:
+            if self.free:
                 block = self.free.pop()
+            else:
+                block = self.prefix_cache.evict()  # type: ignore[union-attr]
             self.ref_counts[block] = 1
             taken.append(block)
-            if evicted and self.on_evict is not None:  # a victim tier saves its K/V before reuse
+        if self.on_evict is not None:  # a victim tier (notebook 13) saves their K/V before they are reused
+            for block in taken[first_evicted:]:
                 self.on_evict(block)
         return taken
 

@@ -42,12 +42,16 @@ class StepPlan:
     lookups: tuple[int, int] = (0, 0)  # the prefix cache's (queried, hit) tokens before the step's lookups
     host_hit_tokens: int = 0  # tokens this step's admissions found in the host tier (copied back)
     swapped_in: list[Request] = field(default_factory=list)  # readmitted with their swapped blocks
-    swapped_in_tokens: int = 0  # tokens those blocks hold (copied back, not recomputed)
+    restored: dict[int, int] = field(default_factory=dict)  # request id -> tokens those blocks gave back
     stored: bool = False  # its computed blocks went to the host tier (``Scheduler.store_computed``)
 
     @property
     def num_tokens(self) -> int:  # new tokens of the step's forward pass
         return sum(n for _, n in self.work)
+
+    @property
+    def swapped_in_tokens(self) -> int:  # copied back from the host tier, not recomputed
+        return sum(self.restored.values())
 
 
 class Scheduler:
@@ -242,18 +246,23 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(request)
         request.status = Status.RUNNING
-        restored = plan.swapped_in_tokens
         request.num_computed_tokens = self.attach(plan, request, loads)
-        restored = plan.swapped_in_tokens - restored  # copied back from a swap: not a cache hit
-        # found by the prefix cache (not num_computed_tokens: a window's attach counts skipped tokens too)
-        held = self.cache.seq_lens[request.req_id] - restored
-        plan.hits[request.req_id] = held  # the prefix cache's and the host tier's
-        plan.cached_tokens += held - len(loads) * self.block_size
-        plan.recomputed_tokens += max(0, request.lost_tokens - held)
+        self.count_found(plan, request, loads)
         n = self.chunk_size(plan, request.num_uncomputed_tokens)
         plan.prefill.append((request, n))
         self.allocate(plan, request, n)
         return True
+
+    def count_found(self, plan: StepPlan, request: Request, loads: list) -> None:
+        """Count what ``request``'s admission found: the tokens the prefix cache held, then the host tier's
+        ``loads`` (not num_computed_tokens: a window's attach counts skipped tokens too, a swapped request's
+        its own blocks copied back), and the lost tokens it computes again."""
+        held = self.cache.seq_lens[request.req_id] - plan.restored.get(request.req_id, 0)
+        from_host = len(loads) * self.block_size
+        plan.hits[request.req_id] = held
+        plan.cached_tokens += held - from_host
+        plan.host_hit_tokens += from_host
+        plan.recomputed_tokens += max(0, request.lost_tokens - held)
 
     def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int, list]:
         """The cached blocks ``attach`` will find for ``request``, the tokens they hold (the radix cache
@@ -307,7 +316,7 @@ class Scheduler:
                 slots = request.swapped[start // self.block_size:]
                 self.copy_in(plan, request, request.swapped_tokens - start, slots)
                 self.host.swapped_in_blocks += len(slots)
-                plan.swapped_in_tokens += request.swapped_tokens - start
+                plan.restored[request.req_id] = request.swapped_tokens - start
             plan.swapped_in.append(request)
             return self.cache.seq_lens[request.req_id]
         if loads:
@@ -322,7 +331,6 @@ class Scheduler:
             finally:
                 host.cache.release(loads)
             host.loaded_blocks += len(loads)
-            plan.host_hit_tokens += len(loads) * self.block_size
         elif self.cache.prefix_cache is not None:
             plan.batch.copies += manager.share_partial_block(request.req_id, request.token_ids,
                                                              plan.registered)
@@ -376,15 +384,12 @@ class Scheduler:
         requests. A plan is taken once, and only the latest."""
         checks.open_plan(self, plan)
         sampled = checks.sampled(sampled, len(plan.work))
-        self.store_computed(plan)
+        self.host_done(plan)  # notebook 13: the step's new blocks stored, swapped-in blocks' slots freed
         for entry in plan.journal:
             if isinstance(entry, Reservation):
                 self.cache.manager.commit(entry)
         plan.journal.clear()
         self.plan = None
-        for request in plan.swapped_in:  # its blocks are back in the device pool
-            self.host.cache.give_slots(request.swapped)
-            request.swapped = None
         finished = []
         for (request, n), token in zip(plan.work, sampled):
             if n == request.num_uncomputed_tokens:
@@ -417,6 +422,14 @@ class Scheduler:
             else:
                 for index in range(last):
                     host.device_keys[table[index]] = keys[index]
+
+    def host_done(self, plan: StepPlan) -> None:
+        """The step of ``plan`` ran: its new blocks go to the host tier, and the requests swapped back in
+        give their host slots up."""
+        self.store_computed(plan)
+        for request in plan.swapped_in:
+            self.host.cache.give_slots(request.swapped)
+            request.swapped = None
 
     def save_victim(self, block: int) -> None:
         """The prefix cache evicts ``block`` for new content: its K/V go to the host tier first."""
