@@ -80,7 +80,7 @@ class BlockManager:
             raise OutOfBlocksError(n, self.num_free_blocks, what)
         if taken is None:
             taken = []
-        first_evicted = len(taken) + len(self.free)  # blocks past the free stack's are evicted
+        plain = len(self.free)  # blocks past these come from the prefix cache (evicted)
         for _ in range(n):
             if self.free:
                 block = self.free.pop()
@@ -89,9 +89,23 @@ class BlockManager:
             self.ref_counts[block] = 1
             taken.append(block)
         if self.on_evict is not None:  # a victim tier (notebook 13) saves their K/V before they are reused
-            for block in taken[first_evicted:]:
-                self.on_evict(block)
+            self.save_evicted(taken, n, max(0, n - plain))
         return taken
+
+    def save_evicted(self, taken: list[int], n: int, evicted: int) -> None:
+        """``on_evict`` for the last ``evicted`` of the ``n`` blocks just appended to ``taken``. If it raises,
+        the ``n`` blocks leave ``taken`` and are free again (plain: an evicted block's key is gone), so a
+        caller that kept no list loses nothing."""
+        mine = taken[len(taken) - n:]
+        try:
+            for block in mine[n - evicted:]:
+                self.on_evict(block)  # type: ignore[misc]
+        except BaseException:
+            del taken[len(taken) - n:]
+            for block in mine:
+                self.ref_counts[block] = 0
+            self.free.extend(reversed(mine))
+            raise
 
     def share(self, blocks: Sequence[int]) -> None:
         """One more table holds each of ``blocks`` (a fork, a prefix-cache hit)."""
