@@ -110,6 +110,9 @@ def test_the_host_tier_saves_prefill_that_the_device_pool_alone_recomputes():
     assert run(both, [list(p) for p in prompts()]) == run(alone, [list(p) for p in prompts()])
     assert both.stats.prefill_tokens < alone.stats.prefill_tokens
     assert both.stats.host_hit_tokens > 0 == alone.stats.host_hit_tokens
+    lookups = both.host.stats()  # every admission's lookup counts, the misses too
+    assert lookups["queried_blocks"] > lookups["hit_blocks"] == lookups["loaded_blocks"] > 0
+    assert 0 < lookups["hit_rate"] < 1
 
 
 def test_bytes_moved_are_blocks_times_the_block_size_in_bytes():

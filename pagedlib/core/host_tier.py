@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedlib.core.fp8 import FP8_DTYPES
-from pagedlib.core.kv_pool import KVPool
+from pagedlib.core.kv_pool import KVPool, _bits
 from pagedlib.core.prefix_cache import BlockKey
 from pagedlib.util import as_int
 
@@ -236,9 +235,13 @@ class HostCache:
         """How many of ``keys`` (a prompt's blocks after those the device pool found) the tier holds, from
         the first to the first miss. Counted in ``queried_blocks`` and ``hit_blocks``."""
         hits = self.peek(keys)
-        self.queried_blocks += len(keys)
-        self.hit_blocks += hits
+        self.count(len(keys), hits)
         return hits
+
+    def count(self, queried: int, hits: int) -> None:
+        """A lookup of ``queried`` blocks that found ``hits``, in the statistics."""
+        self.queried_blocks += queried
+        self.hit_blocks += hits
 
     def peek(self, keys: Sequence[Hashable]) -> int:
         """``lookup``, counting nothing."""
@@ -351,13 +354,6 @@ class HostCache:
         assert len(set(self.free_slots)) == len(self.free_slots), "a slot is free twice"
         assert len(used) + len(self.free_slots) + self.reserved == self.capacity, "slots lost"
         assert set(self.policy.keys()) == set(self.slots), "the policy and the slots disagree"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor as ``uint8`` (the same bytes): torch's CPU indexing has no fp8 kernels."""
-    if t.dtype in FP8_DTYPES:
-        return t.view(torch.uint8)
-    return t
 
 
 class HostTier:

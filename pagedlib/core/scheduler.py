@@ -319,12 +319,13 @@ class Scheduler:
                 plan.restored[request.req_id] = request.swapped_tokens - start
             plan.swapped_in.append(request)
             return self.cache.seq_lens[request.req_id]
+        host = self.host
+        if host is not None and host.write != "none" and request.prompt_tokens is not None:
+            # host_prefix's lookup, counted once admitted: the full blocks after the prefix cache's hits
+            found = self.cache.seq_lens[request.req_id] // self.block_size
+            asked = (request.num_tokens - 1) // self.block_size - found
+            host.cache.count(max(0, asked), len(loads))
         if loads:
-            host = self.host
-            start = self.cache.seq_lens[request.req_id] // self.block_size
-            host.cache.lookup(host.block_keys(request.req_id, request.token_ids,
-                                              (request.num_tokens - 1) // self.block_size,
-                                              self.block_size)[start:])  # counted once admitted
             slots = host.cache.load(request.req_id, loads)  # pinned: the blocks the copy-in evicts are others
             try:
                 self.copy_in(plan, request, len(loads) * self.block_size, slots)
