@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from pagedlib import checks
 from pagedlib.config import EngineConfig
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.connector import KVConnector, LoadFailed
 from pagedlib.core.host_tier import HostTier
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler
@@ -41,14 +42,18 @@ class Engine:
     Args:
         model: the decoder (its dtype and device are the cache's).
         num_blocks, ...: the settings of ``EngineConfig`` (checked there), kept as ``engine.config``.
+        connector: a ``KVConnector`` (notebook 14) the scheduler asks for blocks after the prefix cache's,
+            and the step saves its full blocks through: a ``StoreConnector`` shares them with other engines.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16,
-                 attention: str = "torch", enable_prefix_caching: bool = False, **settings: Any) -> None:
+                 attention: str = "torch", enable_prefix_caching: bool = False, *,
+                 connector: KVConnector | None = None, **settings: Any) -> None:
         checks.check_instance("model", model, PagedLlama, "Engine.from_hf takes a transformers model")
         self.config = EngineConfig(num_blocks, block_size, attention, enable_prefix_caching, **settings)
         checks.check_engine_model(model, self.config)
         self.model = model
+        self.connector = connector
         self.cache = self._new_cache()
         self.scheduler = self._new_scheduler()
         self.requests: dict[int, Request] = {}  # add_request's requests, by id, for output()
@@ -74,12 +79,14 @@ class Engine:
         host = None  # the host tier of notebook 13
         if config.host_blocks:
             host = HostTier(self.cache.pool, config.host_blocks, config.host_policy, config.host_write)
+        if self.connector is not None:
+            self.connector.reset()  # no request of the last scheduler's is left
         return Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          long_prefill_token_threshold=config.long_prefill_token_threshold,
                          watermark=config.watermark, max_model_len=config.max_model_len,
                          full_prompt_must_fit=config.full_prompt_must_fit, host=host,
-                         preemption=config.preemption)
+                         preemption=config.preemption, connector=self.connector)
 
     @property
     def host(self) -> HostTier | None:
@@ -113,18 +120,19 @@ class Engine:
         block the step allocated or made findable is given back and every admission undone, then the error
         propagates. The engine is usable as it was before the step (preemptions the step made stay: their
         requests wait at the front of the queue); call ``step()`` again to retry, ``abort`` a request, or
-        ``reset()``."""
+        ``reset()``. A connector's block that cannot be loaded undoes the step too, and it is planned again
+        without that block (its tokens computed)."""
         checks.check_idle(self)
         self._in_step = True
         try:
-            plan = self.scheduler.schedule()
-            sampled = []
-            if plan.work:
+            while True:
+                plan = self.scheduler.schedule()
                 try:
-                    # [batch, vocab]
-                    logits = self.model.forward(self.cache, plan.batch, self.config.attention)
-                    sampled = logits.argmax(-1).tolist()
-                    self.scheduler.store_computed(plan)  # a host tier's copies of the new blocks
+                    sampled = self._run(plan)
+                    break
+                except LoadFailed:  # warned by the connector, which offers that block no more
+                    self.scheduler.undo(plan)
+                    self.stats.load_failures += 1
                 except BaseException:
                     self.scheduler.undo(plan)
                     raise
@@ -137,6 +145,16 @@ class Engine:
                           [request.req_id for request in plan.decode],
                           [request.req_id for request in plan.preempted], finished,
                           {request.req_id: n for request, n in plan.work}, plan.hits)
+
+    def _run(self, plan: Any) -> list[int]:
+        """The forward pass of ``plan``, with the copies around it: the token each row samples."""
+        if not plan.work:
+            return []
+        self.scheduler.load_external(plan)  # a connector's blocks, before the pass reads them (notebook 14)
+        logits = self.model.forward(self.cache, plan.batch, self.config.attention)  # [batch, vocab]
+        self.scheduler.store_computed(plan)  # a host tier's copies of the new blocks (notebook 13)
+        self.scheduler.save_external(plan)  # a connector's saves of them (notebook 14)
+        return logits.argmax(-1).tolist()
 
     def output(self, req_id: int) -> list[int]:
         """The tokens request ``req_id`` generated so far (all of them once it finished)."""

@@ -18,6 +18,8 @@ class EngineStats:
     cached_tokens: int = 0          # found in the prefix cache at admission: attached, not prefilled
     host_hit_tokens: int = 0        # found in the host tier at admission: copied back, not prefilled
     swapped_in_tokens: int = 0      # a swapped request's tokens copied back at readmission
+    connector_tokens: int = 0       # loaded through a KV connector at admission (notebook 14)
+    load_failures: int = 0          # steps planned again because a connector's block failed to load
     recomputed_tokens: int = 0      # K/V a recomputing preemption threw away, computed again
     decode_tokens: int = 0
     preemptions: int = 0
@@ -34,6 +36,7 @@ class EngineStats:
         self.cached_tokens += plan.cached_tokens
         self.host_hit_tokens += plan.host_hit_tokens
         self.swapped_in_tokens += plan.swapped_in_tokens
+        self.connector_tokens += plan.connector_tokens
         self.recomputed_tokens += plan.recomputed_tokens
         self.decode_tokens += len(plan.decode)
         self.preemptions += len(plan.preempted)

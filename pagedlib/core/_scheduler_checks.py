@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numbers
 
+import torch
+
 from pagedlib.core import _checks as cache_checks
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request, Status
@@ -31,6 +33,41 @@ def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: ob
     budget = _optional_int("max_num_batched_tokens", budget)
     threshold = _optional_int("long_prefill_token_threshold", threshold)
     return max_num_seqs, budget, threshold, max_model_len
+
+
+def connector(cache: PagedKVCache, host: object, connector: object) -> None:
+    """A connector for ``cache``'s blocks, alone (vLLM chains several through its ``MultiConnector``)."""
+    from pagedlib.core.connector import HostConnector, KVConnector, StoreConnector
+
+    if connector is None:
+        return
+    refuse((not isinstance(connector, KVConnector),
+            f"connector must be a KVConnector or None, got {type(connector).__name__}"),
+           (host is not None, "a host tier and a connector at once: pass the tier as a HostConnector"))
+    refuse((connector.block_size != cache.block_size,
+            f"the connector's block_size is {connector.block_size}, the cache's {cache.block_size}"),
+           (cache.k.dtype not in (torch.float32, torch.float16, torch.bfloat16),
+            f"a connector moves unquantized blocks; this cache stores {cache.k.dtype}"))
+    if isinstance(connector, StoreConnector):
+        _, layers, block_size, kv_heads, head_dim = cache.k.shape
+        ours = {"num_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+                "dtype": str(cache.k.dtype).removeprefix("torch.")}
+        wrong = {name: (value, connector.store.geometry[name]) for name, value in ours.items()
+                 if connector.store.geometry[name] != value}
+        refuse((bool(wrong), f"the KV store at {connector.store.root} holds blocks of another shape: "
+                             f"(this cache, the store) differ in {wrong}"))
+    elif isinstance(connector, HostConnector) and (connector.tier.k.shape[1:] != cache.k.shape[1:]
+                                                   or connector.tier.k.dtype != cache.k.dtype):
+        raise ValueError(f"host tier blocks {tuple(connector.tier.k.shape[1:])} {connector.tier.k.dtype} "
+                         f"do not match the cache's {tuple(cache.k.shape[1:])} {cache.k.dtype}")
+
+
+def offered(tokens: object, block_size: int, most: int) -> None:
+    """What a connector's ``get_num_new_matched_tokens`` answered: whole blocks, at most ``most``."""
+    good = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+    refuse((not good or tokens % block_size or tokens > most * block_size,
+            f"the connector offered {tokens!r} tokens: it must offer whole blocks of {block_size}, at most "
+            f"{most} (never the block of the last token)"))
 
 
 def host(cache: PagedKVCache, host: object, preemption: object) -> None:

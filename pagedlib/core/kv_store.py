@@ -119,9 +119,9 @@ class KVStore:
     def __contains__(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def metadata(self, key: str, written_by: str, parent: str) -> dict[str, str]:
+    def metadata(self, key: str, written_by: str, parent: str, digest: str) -> dict[str, str]:
         return {"format": FORMAT, **{name: str(value) for name, value in self.geometry.items()},
-                "key": key, "parent": parent, "written_by": written_by}
+                "key": key, "parent": parent, "written_by": written_by, "sha256": digest}
 
     def put(self, key: str, parent: str, k: torch.Tensor, v: torch.Tensor, written_by: str) -> bool:
         """Write the entry of block ``key`` (``k``, ``v``: ``[num_layers, block_size, kv_heads, head_dim]``)
@@ -134,8 +134,8 @@ class KVStore:
             if tuple(t.shape) != self.shape or t.dtype != self.dtype:
                 raise ValueError(f"{name} must be {self.dtype} {list(self.shape)}, got {t.dtype} "
                                  f"{list(t.shape)}")
-        data = save({"k": k.detach().cpu().contiguous(), "v": v.detach().cpu().contiguous()},
-                    metadata=self.metadata(key, written_by, parent))
+        k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
+        data = save({"k": k, "v": v}, metadata=self.metadata(key, written_by, parent, _digest(k, v)))
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._write_atomic(path, data)
@@ -165,7 +165,8 @@ class KVStore:
         try:
             data = self.path(key).read_bytes()
         except OSError as error:
-            raise EntryError(key, f"cannot be read ({type(error).__name__}: {error.strerror or error})")
+            raise EntryError(key, f"cannot be read ({type(error).__name__}: {error.strerror or error})"
+                             ) from None
         reason = self.check_header(key, data)
         if reason:
             raise EntryError(key, reason)
@@ -177,6 +178,8 @@ class KVStore:
         for name, t in (("k", k), ("v", v)):
             if t is None or tuple(t.shape) != self.shape or t.dtype != self.dtype:
                 raise EntryError(key, f"holds no {self.dtype} {list(self.shape)} tensor {name!r}")
+        if _digest(k, v) != self.header_digest(data):
+            raise EntryError(key, "is corrupt (its K/V do not match their SHA-256)")
         self.read_entries += 1
         self.bytes_read += len(data)
         return k, v
@@ -217,11 +220,25 @@ class KVStore:
             return f"is not a {FORMAT} entry"
         if meta.get("key") != key:
             return f"holds block {str(meta.get('key'))[:12]}..., not this one"
-        wrong = {name: meta.get(name) for name, value in self.geometry.items() if meta.get(name) != str(value)}
+        wrong = {name: meta.get(name) for name, value in self.geometry.items()
+                 if meta.get(name) != str(value)}
         if wrong:
             return f"was written for another model or layout: {wrong}"
         return None
 
+    @staticmethod
+    def header_digest(data: bytes) -> str | None:
+        size = struct.unpack("<Q", data[:8])[0]
+        return json.loads(data[8:8 + size]).get("__metadata__", {}).get("sha256")
+
     def stats(self) -> dict[str, int]:
         return {"read_entries": self.read_entries, "written_entries": self.written_entries,
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+
+
+def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """SHA-256 of K's then V's bytes: safetensors checks shapes, not contents."""
+    digest = hashlib.sha256()
+    for t in (k, v):
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedlib.core import _scheduler_checks as checks
 from pagedlib.core.blocks import Reservation
 from pagedlib.core.cache import Batch, PagedKVCache
+from pagedlib.core.connector import ConnectorMeta, KVConnector
 from pagedlib.core.host_tier import HostTier
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.core.request import Request, Status
@@ -44,6 +45,8 @@ class StepPlan:
     swapped_in: list[Request] = field(default_factory=list)  # readmitted with their swapped blocks
     restored: dict[int, int] = field(default_factory=dict)  # request id -> tokens those blocks gave back
     stored: bool = False  # its computed blocks went to the host tier (``Scheduler.store_computed``)
+    connector_tokens: int = 0  # tokens this step's admissions load through the connector (notebook 14)
+    meta: ConnectorMeta | None = None  # the connector's loads and saves, once built (``load_external``)
 
     @property
     def num_tokens(self) -> int:  # new tokens of the step's forward pass
@@ -68,7 +71,9 @@ class Scheduler:
     With a ``host`` tier (notebook 13) an admission looks the blocks after the prefix cache's hits up there
     too, and copies those found into new blocks; full blocks are stored there as ``host.write`` says; and
     ``preemption="swap"`` copies a victim's blocks there instead of dropping them, falling back to
-    recomputation when the tier has no room.
+    recomputation when the tier has no room. With a ``connector`` (notebook 14) an admission asks it for the
+    blocks after the prefix cache's hits, reserves blocks for what it offers, and the engine has them loaded
+    before the forward pass and the step's full blocks saved after it.
 
     ``schedule`` makes a plan and takes its blocks; the caller runs it, then ``update``s (the step ran) or
     ``undo``es it (the step failed). Only one plan is open at a time."""
@@ -78,12 +83,14 @@ class Scheduler:
                  long_prefill_token_threshold: int | None = None,
                  watermark: float = 0.0, max_model_len: int = 2048,
                  full_prompt_must_fit: bool = True, host: HostTier | None = None,
-                 preemption: str = "recompute") -> None:
+                 preemption: str = "recompute", connector: KVConnector | None = None) -> None:
         limits = checks.scheduler(cache, max_num_seqs, max_num_batched_tokens,
                                   long_prefill_token_threshold, watermark, max_model_len,
                                   full_prompt_must_fit)
         checks.host(cache, host, preemption)
+        checks.connector(cache, host, connector)
         self.host = host
+        self.connector = connector
         self.preemption = preemption
         # the step's limits; chunk_cap: the most tokens of one request a step takes
         self.max_num_seqs, self.max_num_batched_tokens, self.chunk_cap, self.max_model_len = limits
@@ -258,10 +265,13 @@ class Scheduler:
         ``loads`` (not num_computed_tokens: a window's attach counts skipped tokens too, a swapped request's
         its own blocks copied back), and the lost tokens it computes again."""
         held = self.cache.seq_lens[request.req_id] - plan.restored.get(request.req_id, 0)
-        from_host = len(loads) * self.block_size
+        external = len(loads) * self.block_size  # from the host tier or the connector
         plan.hits[request.req_id] = held
-        plan.cached_tokens += held - from_host
-        plan.host_hit_tokens += from_host
+        plan.cached_tokens += held - external
+        if self.connector is not None:
+            plan.connector_tokens += external
+        else:
+            plan.host_hit_tokens += external
         plan.recomputed_tokens += max(0, request.lost_tokens - held)
 
     def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int, list]:
@@ -275,7 +285,10 @@ class Scheduler:
             found = prefix_cache.peek(request.token_ids)
         if request.swapped is not None:
             return found, max(len(found) * self.block_size, request.swapped_tokens), []
-        loads = self.host_prefix(request, len(found))
+        if self.connector is not None:
+            loads = self.connector_prefix(request, len(found))
+        else:
+            loads = self.host_prefix(request, len(found))
         tokens = (len(found) + len(loads)) * self.block_size
         if isinstance(prefix_cache, RadixCache) and not loads:
             tokens += prefix_cache.partial_match(request.token_ids, found, plan.registered)[1]
@@ -291,6 +304,14 @@ class Scheduler:
         keys = host.block_keys(request.req_id, token_ids, (len(token_ids) - 1) // self.block_size,
                                self.block_size)[start:]
         return keys[:host.cache.peek(keys)]
+
+    def connector_prefix(self, request: Request, start: int) -> list[int]:
+        """The indices of the full blocks from block ``start`` on that the connector can load (vLLM's
+        ``get_num_new_matched_tokens``, asked with the prefix cache's hit)."""
+        offered = self.connector.get_num_new_matched_tokens(request, start * self.block_size)
+        most = max(0, (request.num_tokens - 1) // self.block_size - start)
+        checks.offered(offered, self.block_size, most)
+        return list(range(start, start + offered // self.block_size))
 
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         """vLLM 0.32.0's admission test (``KVCacheManager.allocate_slots``): the blocks a sequence of
@@ -325,14 +346,18 @@ class Scheduler:
             found = self.cache.seq_lens[request.req_id] // self.block_size
             asked = (request.num_tokens - 1) // self.block_size - found
             host.cache.count(max(0, asked), len(loads))
-        if loads:
+        if self.connector is not None:  # notebook 14: blocks for its loads now, loaded before the pass
+            self.reserve_found(plan, request, len(loads) * self.block_size)
+            self.connector.update_state_after_alloc(request, list(self.cache.tables[request.req_id]),
+                                                    len(loads) * self.block_size)
+        elif loads:
             slots = host.cache.load(request.req_id, loads)  # pinned: the blocks the copy-in evicts are others
             try:
                 self.copy_in(plan, request, len(loads) * self.block_size, slots)
             finally:
                 host.cache.release(loads)
             host.loaded_blocks += len(loads)
-        elif self.cache.prefix_cache is not None:
+        if not loads and self.cache.prefix_cache is not None:
             plan.batch.copies += manager.share_partial_block(request.req_id, request.token_ids,
                                                              plan.registered)
         return self.cache.seq_lens[request.req_id]
@@ -340,13 +365,32 @@ class Scheduler:
     def copy_in(self, plan: StepPlan, request: Request, n: int, slots: list[int]) -> None:
         """Reserve ``n`` tokens of ``request`` after those it holds and copy host ``slots`` into their blocks
         (the reservation, in the journal, is undone with the step)."""
-        start = self.cache.seq_lens[request.req_id]
-        record = self.cache.manager.reserve([request.req_id], [n], request.token_ids[start:start + n])
-        plan.journal.append(record)
-        plan.registered.update(record.registered)
+        start = self.reserve_found(plan, request, n)
         table = self.cache.tables[request.req_id]
         self.host.load(self.cache.pool, slots, table[start // self.block_size:ceil_div(start + n,
                                                                                          self.block_size)])
+
+    def reserve_found(self, plan: StepPlan, request: Request, n: int) -> int:
+        """Reserve ``n`` found tokens of ``request`` after those it holds, their K/V to be copied in (the
+        reservation, in the journal, is undone with the step): where they start."""
+        start = self.cache.seq_lens[request.req_id]
+        if n:
+            record = self.cache.manager.reserve([request.req_id], [n], request.token_ids[start:start + n])
+            plan.journal.append(record)
+            plan.registered.update(record.registered)
+        return start
+
+    def load_external(self, plan: StepPlan) -> None:
+        """Before the forward pass: the connector's meta for the step (vLLM builds it as ``schedule`` ends),
+        and its loads into their blocks. ``connector.LoadFailed`` if one cannot be loaded."""
+        if self.connector is not None and plan.meta is None:
+            plan.meta = self.connector.build_connector_meta(plan)
+            self.connector.start_load_kv(self.cache.pool, plan.meta)
+
+    def save_external(self, plan: StepPlan) -> None:
+        """After the forward pass: the connector saves the blocks the step filled."""
+        if self.connector is not None and plan.meta is not None:
+            self.connector.wait_for_save(self.cache.pool, plan.meta)
 
     def requeue(self, request: Request, status: Status) -> None:
         """Free ``request``'s blocks and queue it first again with ``status``, nothing computed: a
@@ -453,6 +497,8 @@ class Scheduler:
             request.swapped = None
         if self.host is not None:
             self.host.forget(request.req_id)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         request.status = Status.FINISHED
         del self.requests[request.req_id]
 

@@ -48,7 +48,9 @@ class WindowScheduler(Scheduler):
         refuse((options.get("max_num_batched_tokens") is not None,
                 "chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no sliding_window"),
                (options.get("host") is not None, "sliding_window takes no host tier: the window frees the "
-                "blocks a host tier's keys chain through"))
+                "blocks a host tier's keys chain through"),
+               (options.get("connector") is not None, "sliding_window takes no connector: the window frees "
+                "the blocks a connector's keys chain through"))
         super().__init__(cache, **options)
         self.window = as_int("sliding_window", sliding_window, minimum=1)
         self.skipped_tokens = 0  # computed at admission but never stored: behind the window already
