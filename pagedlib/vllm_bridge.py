@@ -54,9 +54,9 @@ class BridgeConfig:
     long_prefill_token_threshold: int = 0   # vLLM's 0: no cap on one request's chunk
     watermark: float = 0.0                  # vLLM's default: no blocks kept free at admission
     scheduler_reserve_full_isl: bool = True  # admit only if the whole current length fits (vLLM's default)
-    kv_store: str = ""                      # a KVStore folder: vLLM loads and saves blocks there (notebook 14)
+    kv_store: str = ""                      # a KVStore folder vLLM loads and saves blocks in (notebook 14)
     kv_role: str = "kv_both"                # kv_producer saves only, kv_consumer loads only, kv_both both
-    kv_model: str = ""                      # the store's name for the model (default: its folder's fingerprint)
+    kv_model: str = ""                      # the store's name for the model (default: its fingerprint)
 
 
 @dataclass
@@ -217,7 +217,8 @@ def kv_transfer_config(config: BridgeConfig) -> Any:
     from vllm.config import KVTransferConfig
 
     extra = {"store": config.kv_store, **({"model": config.kv_model} if config.kv_model else {})}
-    return KVTransferConfig(kv_connector="PagedlibConnector", kv_connector_module_path="pagedlib.vllm_connector",
+    return KVTransferConfig(kv_connector="PagedlibConnector",
+                            kv_connector_module_path="pagedlib.vllm_connector",
                             kv_role=config.kv_role, kv_load_failure_policy="recompute",
                             kv_connector_extra_config=extra)
 

@@ -75,7 +75,8 @@ logger = logging.getLogger(__name__)
 
 # ---- vLLM's CPU block layout, measured from its own op ------------------------------------------------
 
-def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
+def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_dim: int,
+                      kv_cache_dtype: str = "auto") -> str:
     """The ISA vLLM's CPU attention backend picks for this cache (``vec``, ``amx``, ``neon``, ...): the
     backend's own choice, so the connector lays blocks out as the kernels read them."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -131,7 +132,8 @@ class CpuBlockLayout:
         numbers = torch.arange(count)
         landed = [torch.zeros(count, dtype=torch.int64) for _ in range(2)]
         for digit in range(max(1, math.ceil(math.log(count, 128)))):
-            scratch = torch.full((1, self.kv_heads, self.block_size, 2 * self.head_dim), -1.0, dtype=self.dtype)
+            scratch = torch.full((1, self.kv_heads, self.block_size, 2 * self.head_dim), -1.0,
+                                 dtype=self.dtype)
             pattern = ((numbers // 128 ** digit) % 128).to(self.dtype)
             pattern = pattern.view(self.block_size, self.kv_heads, self.head_dim)
             self.write(scratch, [0], pattern[None], pattern[None])
@@ -192,7 +194,8 @@ class PagedlibConnector(KVConnectorBase_V1):
     engine core, next to the scheduler) and one with role WORKER (next to the model). They share nothing
     but the store's folder and the ``StorePlan`` the scheduler's one builds each step."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         settings = transfer.kv_connector_extra_config or {}
@@ -203,10 +206,12 @@ class PagedlibConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype}: the store keeps the "
                              f"model's own dtype only")
         if transfer.kv_load_failure_policy != "recompute":
-            logger.warning("kv_load_failure_policy=%r: an entry that fails to load ends its request with an "
-                           "error; 'recompute' makes vLLM compute it instead", transfer.kv_load_failure_policy)
+            logger.warning("kv_load_failure_policy=%r: an entry that fails to load ends its request with "
+                           "an error; 'recompute' makes vLLM compute it instead",
+                           transfer.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
-        self.store = KVStore(settings["store"], model=settings.get("model") or model_fingerprint(model_config.model),
+        model = settings.get("model") or model_fingerprint(model_config.model)
+        self.store = KVStore(settings["store"], model=model,
                              block_size=self.block_size, num_layers=model_config.get_num_layers(parallel),
                              kv_heads=model_config.get_num_kv_heads(parallel),
                              head_dim=model_config.get_head_size(), dtype=model_config.dtype)
@@ -242,7 +247,8 @@ class PagedlibConnector(KVConnectorBase_V1):
         self._matches[request.request_id] = (first, keys[:found])
         return found * self.block_size, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         """Called once the scheduler gave an admitted request its blocks (every admitted request, store hit
         or not): the blocks that receive the ``num_external_tokens`` go on the next plan's loads, and the
         request is followed from now on for its saves."""
@@ -266,7 +272,8 @@ class PagedlibConnector(KVConnectorBase_V1):
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
-                computed[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+                scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
+                computed[new.req_id] = new.num_computed_tokens + scheduled
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -285,7 +292,8 @@ class PagedlibConnector(KVConnectorBase_V1):
                 full = min(tokens // self.block_size, len(tracked.block_ids))
                 if full <= tracked.saved:
                     continue
-                keys = block_hashes(list(tracked.request.all_token_ids[:full * self.block_size]), self.block_size)
+                token_ids = list(tracked.request.all_token_ids[:full * self.block_size])
+                keys = block_hashes(token_ids, self.block_size)
                 for index in range(tracked.saved, full):
                     if keys[index] not in planned and keys[index] not in self.store:
                         planned.add(keys[index])
@@ -362,7 +370,8 @@ class PagedlibConnector(KVConnectorBase_V1):
         """Called by each attention layer before it runs: nothing to wait for, every load finished in
         ``start_load_kv``."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
         """Called by each attention layer after it wrote its new K and V: nothing yet. An entry holds every
         layer of its block, so blocks are saved in ``wait_for_save``, once the whole model has run."""
 
@@ -375,7 +384,7 @@ class PagedlibConnector(KVConnectorBase_V1):
             return
         block_ids = [save.block_id for save in plan.saves]
         read = [self.layout.read(layer, block_ids) for layer in self._layers]
-        k_all = torch.stack([k for k, _ in read])                             # [layers, blocks, bs, heads, dim]
+        k_all = torch.stack([k for k, _ in read])               # [layers, blocks, bs, heads, dim]
         v_all = torch.stack([v for _, v in read])
         for i, save in enumerate(plan.saves):
             self.store.put(save.key, save.parent, k_all[:, i], v_all[:, i], self.written_by)
