@@ -165,6 +165,7 @@ class BlockLoad:
 
 @dataclass
 class BlockSave:
+    req_id: str
     block_id: int
     key: str
     parent: str
@@ -226,6 +227,7 @@ class PagedlibConnector(KVConnectorBase_V1):
         self.layout: CpuBlockLayout | None = None
         self.written_by = ""
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()     # requests whose load failed in this step
 
     # ---- scheduler side ------------------------------------------------------------------------------
 
@@ -267,13 +269,21 @@ class PagedlibConnector(KVConnectorBase_V1):
         blocks added for this step, a resumed one (after a preemption) all of its blocks anew."""
         plan = StorePlan(loads=self._pending_loads)
         self._pending_loads = []
+        computed = self._follow_blocks(scheduler_output)
+        if self.saves_enabled:
+            plan.saves = self._saves(computed)
+        return plan
+
+    def _follow_blocks(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Bring each scheduled request's block ids up to date; how many of its tokens are computed once
+        this step has run."""
         computed: dict[str, int] = {}
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
-                scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
-                computed[new.req_id] = new.num_computed_tokens + scheduled
+                computed[new.req_id] = new.num_computed_tokens + scheduled[new.req_id]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -284,23 +294,29 @@ class PagedlibConnector(KVConnectorBase_V1):
                 tracked.block_ids = list(added[0]) if added else []
             elif added:
                 tracked.block_ids.extend(added[0])
-            computed[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
-        if self.saves_enabled:
-            planned = set()
-            for req_id, tokens in computed.items():
-                tracked = self._tracked[req_id]
-                full = min(tokens // self.block_size, len(tracked.block_ids))
-                if full <= tracked.saved:
-                    continue
-                token_ids = list(tracked.request.all_token_ids[:full * self.block_size])
-                keys = block_hashes(token_ids, self.block_size)
-                for index in range(tracked.saved, full):
-                    if keys[index] not in planned and keys[index] not in self.store:
-                        planned.add(keys[index])
-                        plan.saves.append(BlockSave(tracked.block_ids[index], keys[index],
-                                                    keys[index - 1] if index else ""))
-                tracked.saved = full
-        return plan
+            # after a failed load vLLM moves a request back to the failed block: blocks from there on
+            # are computed again, and saved then (the worker skipped them in the failed step)
+            tracked.saved = min(tracked.saved, cached.num_computed_tokens[i] // self.block_size)
+            computed[req_id] = cached.num_computed_tokens[i] + scheduled[req_id]
+        return computed
+
+    def _saves(self, computed: dict[str, int]) -> list[BlockSave]:
+        """The full blocks the step completes that the store lacks (each key once, if requests share it)."""
+        saves, planned = [], set()
+        for req_id, tokens in computed.items():
+            tracked = self._tracked[req_id]
+            full = min(tokens // self.block_size, len(tracked.block_ids))
+            if full <= tracked.saved:
+                continue
+            token_ids = list(tracked.request.all_token_ids[:full * self.block_size])
+            keys = block_hashes(token_ids, self.block_size)
+            for index in range(tracked.saved, full):
+                if keys[index] not in planned and keys[index] not in self.store:
+                    planned.add(keys[index])
+                    parent = keys[index - 1] if index else ""
+                    saves.append(BlockSave(req_id, tracked.block_ids[index], keys[index], parent))
+            tracked.saved = full
+        return saves
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request ends, before its blocks are freed: its saves were all made in the
@@ -344,7 +360,7 @@ class PagedlibConnector(KVConnectorBase_V1):
         assert isinstance(plan, StorePlan)
         if not plan.loads:
             return
-        failed_requests: set[str] = set()
+        failed_requests = self._failed_requests = set()
         block_ids, ks, vs = [], [], []
         for load in plan.loads:
             if load.req_id in failed_requests:
@@ -377,16 +393,20 @@ class PagedlibConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Called once per step, after the forward pass: read each planned block from every layer and write
-        its entry (atomically; an entry the store got meanwhile is left as it is)."""
+        its entry (atomically; an entry the store got meanwhile is left as it is). A request whose load
+        failed in this step computed its new tokens over a block it never got: none of its blocks is
+        saved (vLLM computes them again, and they are saved then)."""
         plan = self._get_connector_metadata()
         assert isinstance(plan, StorePlan)
-        if not plan.saves or self.layout is None:
+        saves = [save for save in plan.saves if save.req_id not in self._failed_requests]
+        self._failed_requests = set()
+        if not saves or self.layout is None:
             return
-        block_ids = [save.block_id for save in plan.saves]
+        block_ids = [save.block_id for save in saves]
         read = [self.layout.read(layer, block_ids) for layer in self._layers]
         k_all = torch.stack([k for k, _ in read])               # [layers, blocks, bs, heads, dim]
         v_all = torch.stack([v for _, v in read])
-        for i, save in enumerate(plan.saves):
+        for i, save in enumerate(saves):
             self.store.put(save.key, save.parent, k_all[:, i], v_all[:, i], self.written_by)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -199,3 +199,33 @@ def test_vllm_prefill_pagedlib_decode(vllm_store, tiny, reference, tmp_path):
                                           for name in PROMPTS])
     assert {name: first[name] + tokens[name] for name in PROMPTS} == reference
     assert records[0].hits == {name: loadable_blocks(name) * BLOCK for name in PROMPTS}
+
+
+def test_a_failed_load_saves_no_block_computed_over_it(vllm_store, tmp_path):
+    """The step whose load fails still runs the request's new tokens, over a block it never got: a block
+    those tokens complete must not be saved then. The prompt here is the prefill's plus 28 tokens, so its
+    block 3 is completed in the step that loads blocks 0 to 2; with block 1 corrupt, the entry of block 3
+    must hold what a clean engine computes."""
+    import random
+
+    import torch
+
+    from pagedlib.core.kv_store import KVStore, block_hashes
+
+    store_dir, first = vllm_store
+    rng = random.Random(3)
+    longer = prompt("mid") + first["mid"] + [rng.randrange(96) for _ in range(27)]
+    assert len(longer) == 4 * BLOCK
+    damaged, clean = tmp_path / "damaged", tmp_path / "clean"
+    shutil.copytree(store_dir, damaged)
+    keys = block_hashes(longer, BLOCK)
+    entry = KVStore(damaged, **geometry()).path(keys[1])
+    data = bytearray(entry.read_bytes())
+    data[-100:-90] = bytes(10)
+    entry.write_bytes(bytes(data))
+    for folder in (damaged, clean):
+        with VllmWorker() as worker:
+            worker.run(dataclasses.replace(CONFIG, kv_store=str(folder)), [Arrival("q", longer, 2)])
+    ours, theirs = (KVStore(folder, **geometry()).get(keys[3]) for folder in (damaged, clean))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
