@@ -52,6 +52,8 @@ class Engine:
         checks.check_instance("model", model, PagedLlama, "Engine.from_hf takes a transformers model")
         self.config = EngineConfig(num_blocks, block_size, attention, enable_prefix_caching, **settings)
         checks.check_engine_model(model, self.config)
+        if connector is not None:
+            checks.check_instance("connector", connector, KVConnector, "a StoreConnector or HostConnector")
         self.model = model
         self.connector = connector
         self.cache = self._new_cache()

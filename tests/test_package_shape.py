@@ -86,8 +86,8 @@ def test_no_import_cycle():
 LAYERS = ["pagedlib.util", "pagedlib.figures", "pagedlib.core", "pagedlib.testing", "pagedlib.kernels",
           "pagedlib.checks", "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats",
           "pagedlib.model", "pagedlib.engine",
-          "pagedlib.sim", "pagedlib.teach", "pagedlib.vllm_bridge", "pagedlib.vllm_connector",
-          "pagedlib.vllm_offload", "pagedlib.bench"]
+          "pagedlib.sim", "pagedlib.teach", "pagedlib.disagg", "pagedlib.vllm_bridge",
+          "pagedlib.vllm_connector", "pagedlib.vllm_offload", "pagedlib.bench"]
 
 
 def layer(module: str) -> int:

@@ -137,7 +137,7 @@ class KVStore:
         k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
         data = save({"k": k, "v": v}, metadata=self.metadata(key, written_by, parent, _digest(k, v)))
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)  # not the root: a store whose folder vanished stays gone
         self._write_atomic(path, data)
         self.written_entries += 1
         self.bytes_written += len(data)
@@ -188,16 +188,7 @@ class KVStore:
         """Why the entry of ``key`` cannot be used, from its header alone (``None``: it looks right).
         Reads the whole file only if ``data`` is given."""
         try:
-            if data is None:
-                with open(self.path(key), "rb") as f:
-                    head = f.read(8)
-                    size = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-                    body = f.read(min(size, 1 << 20)) if size is not None else b""
-                    total = os.fstat(f.fileno()).st_size
-            else:
-                head, total = data[:8], len(data)
-                size = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-                body = data[8:8 + min(size, 1 << 20)] if size is not None else b""
+            size, body, total = self._head(key, data)
         except OSError as error:
             return f"cannot be read ({type(error).__name__}: {error.strerror or error})"
         if size is not None and size > 1 << 20:
@@ -208,7 +199,8 @@ class KVStore:
             header = json.loads(body)
             meta = header.get("__metadata__", {})
             tensors = [header[name] for name in ("k", "v")]
-        except (ValueError, KeyError, AttributeError, TypeError):
+            assert isinstance(meta, dict)
+        except (ValueError, KeyError, AttributeError, TypeError, AssertionError):
             return "is corrupt (its header is not a safetensors header of k and v)"
         try:
             end = max(int(t["data_offsets"][1]) for t in tensors)
@@ -225,6 +217,18 @@ class KVStore:
         if wrong:
             return f"was written for another model or layout: {wrong}"
         return None
+
+    def _head(self, key: str, data: bytes | None) -> tuple[int | None, bytes, int]:
+        """An entry's header length (``None``: cut off), the header's bytes (1 MiB at most), its size."""
+        if data is None:
+            with open(self.path(key), "rb") as f:
+                head = f.read(8)
+                size = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+                body = f.read(min(size, 1 << 20)) if size is not None else b""
+                return size, body, os.fstat(f.fileno()).st_size
+        size = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else None
+        body = data[8:8 + min(size, 1 << 20)] if size is not None else b""
+        return size, body, len(data)
 
     @staticmethod
     def header_digest(data: bytes) -> str | None:
