@@ -407,7 +407,10 @@ class PagedlibConnector(KVConnectorBase_V1):
         k_all = torch.stack([k for k, _ in read])               # [layers, blocks, bs, heads, dim]
         v_all = torch.stack([v for _, v in read])
         for i, save in enumerate(saves):
-            self.store.put(save.key, save.parent, k_all[:, i], v_all[:, i], self.written_by)
+            try:
+                self.store.put(save.key, save.parent, k_all[:, i], v_all[:, i], self.written_by)
+            except OSError as error:       # a store gone or full: a save lost is only a later miss
+                logger.warning("store entry %s... not saved: %s", save.key[:12], error)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called after each step: the blocks whose entries failed to load in it (then forgotten)."""
