@@ -54,6 +54,9 @@ class BridgeConfig:
     long_prefill_token_threshold: int = 0   # vLLM's 0: no cap on one request's chunk
     watermark: float = 0.0                  # vLLM's default: no blocks kept free at admission
     scheduler_reserve_full_isl: bool = True  # admit only if the whole current length fits (vLLM's default)
+    kv_store: str = ""                      # a KVStore folder vLLM loads and saves blocks in (notebook 14)
+    kv_role: str = "kv_both"                # kv_producer saves only, kv_consumer loads only, kv_both both
+    kv_model: str = ""                      # the store's name for the model (default: its fingerprint)
 
 
 @dataclass
@@ -197,12 +200,27 @@ def build_llm(config: BridgeConfig) -> Any:
     from vllm import LLM
 
     return LLM(model=config.model, skip_tokenizer_init=True, dtype=config.dtype, seed=0, enforce_eager=True,
+               kv_transfer_config=kv_transfer_config(config),
                block_size=config.block_size, num_gpu_blocks_override=config.num_blocks + 1,  # + null block
                max_model_len=max_model_len(config),
                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05,
                long_prefill_token_threshold=config.long_prefill_token_threshold, watermark=config.watermark,
                scheduler_reserve_full_isl=config.scheduler_reserve_full_isl)
+
+
+def kv_transfer_config(config: BridgeConfig) -> Any:
+    """vLLM's ``KVTransferConfig`` for ``config.kv_store`` (``None`` without one): pagedlib's connector
+    (``pagedlib.vllm_connector``), loaded by its module path, an entry that fails to load recomputed."""
+    if not config.kv_store:
+        return None
+    from vllm.config import KVTransferConfig
+
+    extra = {"store": config.kv_store, **({"model": config.kv_model} if config.kv_model else {})}
+    return KVTransferConfig(kv_connector="PagedlibConnector",
+                            kv_connector_module_path="pagedlib.vllm_connector",
+                            kv_role=config.kv_role, kv_load_failure_policy="recompute",
+                            kv_connector_extra_config=extra)
 
 
 def max_model_len(config: BridgeConfig) -> int:

@@ -87,7 +87,7 @@ LAYERS = ["pagedlib.util", "pagedlib.figures", "pagedlib.core", "pagedlib.testin
           "pagedlib.checks", "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats",
           "pagedlib.model", "pagedlib.engine",
           "pagedlib.sim", "pagedlib.teach", "pagedlib.disagg", "pagedlib.vllm_bridge",
-          "pagedlib.vllm_offload", "pagedlib.bench"]
+          "pagedlib.vllm_connector", "pagedlib.vllm_offload", "pagedlib.bench"]
 
 
 def layer(module: str) -> int:
