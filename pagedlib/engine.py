@@ -130,7 +130,7 @@ class Engine:
             while True:
                 plan = self.scheduler.schedule()
                 try:
-                    sampled = self._run(plan)
+                    sampled = self.run_plan(plan)
                     break
                 except LoadFailed:  # warned by the connector, which offers that block no more
                     self.scheduler.undo(plan)
@@ -148,8 +148,9 @@ class Engine:
                           [request.req_id for request in plan.preempted], finished,
                           {request.req_id: n for request, n in plan.work}, plan.hits)
 
-    def _run(self, plan: Any) -> list[int]:
-        """The forward pass of ``plan``, with the copies around it: the token each row samples."""
+    def run_plan(self, plan: Any) -> list[int]:
+        """The forward pass of ``plan`` with the copies around it (``step`` runs it as a transaction): the
+        token each row samples."""
         if not plan.work:
             return []
         self.scheduler.load_external(plan)  # a connector's blocks, before the pass reads them (notebook 14)

@@ -13,9 +13,9 @@ from pagedlib.sim import disagg
 
 # (label, caller, what it does): the calls of one step, in order (caller 0: scheduler side, 1: worker side)
 CALLS = [
-    ("get_num_new_matched_tokens(request, n)", 0, "at admission, after the prefix cache found n tokens:\n"
-     "how many more, in whole blocks, can you load?"),
-    ("update_state_after_alloc(request, blocks, k)", 0, "the scheduler reserved blocks for those k tokens"),
+    ("get_num_new_matched_tokens(request, n)", 0, "at admission: how many tokens after the prefix cache's n"
+     " can you load?"),
+    ("update_state_after_alloc(request, blocks, k)", 0, "blocks are reserved for the k tokens offered"),
     ("build_connector_meta(plan)", 0, "the step's loads and saves, handed to the worker side"),
     ("start_load_kv(pool, meta)", 1, "before the forward pass: entries into their blocks"),
     ("forward pass", 1, "reads the loaded blocks like computed ones"),
@@ -26,25 +26,25 @@ CALLS = [
 
 def draw_contract() -> plt.Figure:
     """The calls of one engine step: the scheduler side's, then the worker side's, and the store."""
-    fig, ax = plt.subplots(figsize=(11, 5))
-    columns = ((0.03, "scheduler side (plans the step)"), (0.37, "worker side (runs it)"))
-    for x, title in columns:
-        ax.add_patch(Rectangle((x, 0.02), 0.32, 0.9, facecolor="#eef3fb", edgecolor="black"))
-        ax.text(x + 0.16, 0.94, title, ha="center", fontsize=11, weight="bold")
-    ax.add_patch(Rectangle((0.78, 0.25), 0.2, 0.45, facecolor="#f4f0e6", edgecolor="black"))
-    ax.text(0.88, 0.6, "KV store", ha="center", fontsize=11, weight="bold")
-    ax.text(0.88, 0.42, "one file a block,\nnamed by its chained\ntoken hash", ha="center", fontsize=8)
+    fig, ax = plt.subplots(figsize=(12, 5))
+    columns = ((0.01, 0.42, "scheduler side (plans the step)"), (0.45, 0.31, "worker side (runs it)"))
+    for x, width, title in columns:
+        ax.add_patch(Rectangle((x, 0.02), width, 0.9, facecolor="#eef3fb", edgecolor="black"))
+        ax.text(x + width / 2, 0.94, title, ha="center", fontsize=11, weight="bold")
+    ax.add_patch(Rectangle((0.83, 0.25), 0.16, 0.45, facecolor="#f4f0e6", edgecolor="black"))
+    ax.text(0.91, 0.6, "KV store", ha="center", fontsize=11, weight="bold")
+    ax.text(0.91, 0.42, "one file a block,\nnamed by its\nchained token hash", ha="center", fontsize=8)
     for i, (name, side, what) in enumerate(CALLS):
-        y = 0.84 - i * 0.12
+        y = 0.85 - i * 0.12
         x = columns[side][0] + 0.01
         colour = "black" if name == "forward pass" else "tab:blue"
         ax.text(x, y, f"{i + 1}. {name}", fontsize=8.5, family="monospace", color=colour)
-        ax.text(x + 0.01, y - 0.045, what, fontsize=7.5, color="dimgray", va="top")
+        ax.text(x + 0.015, y - 0.04, what, fontsize=7.5, color="dimgray", va="top")
     for y, label, direction in ((0.49, "read entries", -1), (0.25, "write entries", 1)):
-        start, end = (0.77, 0.70) if direction < 0 else (0.70, 0.77)
+        start, end = (0.825, 0.765) if direction < 0 else (0.765, 0.825)
         ax.add_patch(FancyArrowPatch((start, y + 0.03), (end, y + 0.03), arrowstyle="-|>", mutation_scale=12,
                                      color="tab:green" if direction < 0 else "tab:orange", lw=1.5))
-        ax.text(0.735, y + 0.055, label, ha="center", fontsize=7.5)
+        ax.text(0.795, y + 0.055, label, ha="center", fontsize=7.5)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.axis("off")
