@@ -19,8 +19,10 @@ method's tokens with ``hf_generate`` one prompt at a time.
 ``vllm`` (Linux x86_64, CPU, head sizes vLLM's CPU attention takes): vLLM's ``LLM.generate`` in a process of
 its own (``pagedlib.vllm_bridge``), blocks of 32, the same token budget as ``engine_chunked``; ``startup_s``
 is building it, kept out of the timed runs. Its fp32 matrix products (oneDNN) round differently from
-torch's: where two logits are within ~1e-4 of each other a greedy choice can go the other way, and
-``same_tokens`` then reads NO (seen once in 32 prompts on a hidden-1024 model: logits 19.29038 and 19.29009).
+torch's, and torch's own round differently with the batch's shape: where two logits are within ~1e-4 of
+each other a greedy choice can go either way, and ``same_tokens`` then reads NO. On the hidden-1024 model
+vLLM once left the reference at such a tie (logits 19.29038 and 19.29009); on another CPU the engine and
+transformers' own padded batch did, at prompt 7's third new token (19.290331 and 19.290325).
 With ``--threads N`` vLLM's worker is bound to cores 0..N-1 and capped to N OpenMP threads, as the engine
 runs on N torch threads. vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in ``LD_PRELOAD``; set it
 for the whole command (both engines then run with it; ``environment.ld_preload`` records it), e.g.
