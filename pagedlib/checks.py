@@ -18,6 +18,7 @@ SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
 # config fields that change the computation, and the one value PagedLlama implements
 _FIELDS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
            "rope_type": "default"}
+ATTENTION = ("torch", "triton", "cpu")  # the gather path; the fused kernels for GPUs and for CPUs
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the attention paths' dtypes
 
 
@@ -78,7 +79,7 @@ def token_list(name: str, tokens: Any, vocab_size: int) -> list[int]:
 
 def check_step(model: Any, cache: Any, seq_ids: Any, prompts: Sequence[Any], attention: str
                ) -> tuple[list[Any], list[list[int]]]:
-    check_attention(attention, head_dim=model.shape.head_dim)
+    check_attention(attention, head_dim=model.shape.head_dim, device=model.device)
     check_model_dtype(model.dtype)
     shape = model.shape
     dtype = cache.dtype
@@ -116,11 +117,24 @@ def check_kv_cache_dtype(dtype: object, model_dtype: torch.dtype) -> torch.dtype
     return dtype
 
 
-def check_attention(attention: object, block_size: int = 1, head_dim: int = 1) -> None:
-    """``attention`` one of the two paths; the Triton kernel's limits on ``block_size`` and ``head_dim``."""
-    if attention not in ("torch", "triton"):
-        raise ValueError(f"attention must be one of ('torch', 'triton'), got {attention!r}")
-    if attention == "torch":
+def check_attention(attention: object, block_size: int = 1, head_dim: int = 1,
+                    device: torch.device | str = "cpu") -> None:
+    """``attention`` one of the three paths, and what its kernel takes: Triton's ``block_size`` and
+    ``head_dim`` limits; the CPU kernel's device, ``head_dim`` limit and a C compiler that builds it."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    if attention == "cpu":
+        from pagedlib.kernels.cpu_varlen import MAX_HEAD_DIM, cpu_kernel_available  # builds on first use
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"attention='cpu' runs on the CPU; the model is on {device}")
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for the CPU kernel, the model has "
+                             f"{head_dim}")
+        available, why = cpu_kernel_available()
+        if not available:
+            raise RuntimeError(why)
+    if attention != "triton":
         return
     if block_size > 128 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two from 1 to 128 for the Triton kernel, "
@@ -213,9 +227,10 @@ def check_instance(name: str, value: object, cls: type, hint: str) -> None:
 
 
 def check_engine_model(model: Any, config: Any) -> None:
-    """What an ``Engine`` asks of its model: a dtype the engine runs, a ``head_dim`` its attention takes."""
+    """What an ``Engine`` asks of its model: a dtype the engine runs, a ``head_dim`` (and a device) its
+    attention takes."""
     check_model_dtype(model.dtype)
-    check_attention(config.attention, config.block_size, model.shape.head_dim)
+    check_attention(config.attention, config.block_size, model.shape.head_dim, model.device)
 
 
 def check_known_request(requests: dict, req_id: object) -> Any:

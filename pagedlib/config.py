@@ -19,7 +19,9 @@ class EngineConfig:
 
     Args:
         num_blocks, block_size: the KV pool.
-        attention: ``"torch"`` or ``"triton"`` (``block_size`` a power of two up to 128, ``head_dim`` <= 256).
+        attention: ``"torch"`` (gather, then SDPA), ``"triton"`` (the fused GPU kernels: ``block_size`` a
+            power of two up to 128) or ``"cpu"`` (the fused C kernel, built on first use); ``head_dim``
+            at most 256.
         enable_prefix_caching: attach a prompt's cached full blocks instead of prefilling them (notebook 06).
         prefix_cache: ``"hash"`` (vLLM's block hashes) or ``"radix"`` (SGLang's tree, notebook 11).
         kv_cache_dtype: ``None`` (the model's dtype) or an fp8 format (notebook 10).

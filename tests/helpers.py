@@ -6,8 +6,11 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, rel_error
+from pagedlib.kernels.varlen import paged_attention_varlen_oracle
 from pagedlib.testing import check_invariants, state_diff
 from pagedlib.util import ceil_div
 
@@ -21,6 +24,62 @@ def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     """``c`` is bit-for-bit what ``snapshot`` saw (NaN slots included), and still consistent."""
     assert state_diff(c, snap) == [], f"changed: {state_diff(c, snap)}"
     check_invariants(c)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def varlen_case(cached: list[int], new: list[int], *, block_size: int, kv_heads: int = 2, group: int = 2,
+                head_dim: int = 16, dtype: torch.dtype = torch.float32, share: bool = False, seed: int = 0,
+                device: str = DEVICE) -> tuple[PagedKVCache, tuple[torch.Tensor, ...]]:
+    """A 2-layer cache (blocks in a random order, NaN in every unused slot) where sequence ``s`` holds
+    ``cached[s]`` tokens then its ``new[s]`` new ones, and the varlen arguments for layer 1. ``share``:
+    sequences 1.. are forks of sequence 0 taken after its cached tokens (a prefix-cache hit: their first
+    blocks are sequence 0's), so their cached tokens are ``cached[0] + cached[s]``."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(cached[0] + c + n) // block_size) + 1 for c, n in zip(cached, new)) + 3
+    cache = PagedKVCache(num_blocks, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device,
+                         free_order=torch.randperm(num_blocks, generator=g).tolist(), fill=float("nan"))
+
+    def append(s: int, n: int) -> None:
+        if n:
+            k, v = torch.randn(2, 2, n, kv_heads, head_dim, generator=g).to(device, dtype)
+            cache.append_tokens(s, k, v)
+
+    cache.add_sequence(0)
+    append(0, cached[0])
+    for s in range(1, len(cached)):
+        cache.fork(0, s) if share else cache.add_sequence(s)
+        append(s, cached[s])
+    for s, n in enumerate(new):
+        append(s, n)
+    seqs = list(range(len(new)))
+    q = torch.randn(sum(new), kv_heads * group, head_dim, generator=g).to(device, dtype)
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return cache, (q, *cache.layer(1), cache.block_table(seqs), cache.seq_lens_tensor(seqs), qsl)
+
+
+def sdpa_reference(cache: PagedKVCache, args: tuple) -> torch.Tensor:
+    """Per sequence, SDPA in float32 on contiguous copies of its K/V with a causal mask aligned to its
+    last positions (query ``i`` of ``m`` new tokens sits at ``n - m + i``)."""
+    q, starts = args[0], args[5].tolist()
+    out = []
+    for s in range(len(starts) - 1):
+        k, v = (x[1].float().transpose(0, 1)[None] for x in cache.gather(s))   # [1, kv_heads, n, D]
+        m, n = starts[s + 1] - starts[s], k.shape[2]
+        mask = torch.arange(n, device=q.device) <= torch.arange(n - m, n, device=q.device)[:, None]  # [m, n]
+        qs = q[starts[s]:starts[s + 1]].float().transpose(0, 1)[None]          # [1, q_heads, m, D]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)  # [1, q_heads, m, D]
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def check(out: torch.Tensor, cache: PagedKVCache, args: tuple) -> None:
+    q = args[0]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "NaN from an unused slot leaked into the result"
+    assert rel_error(out, paged_attention_varlen_oracle(*args)) < REL_ERROR_LIMITS[q.dtype]
+    torch.testing.assert_close(out.float(), sdpa_reference(cache, args), **TOLERANCES[q.dtype])
 
 
 TINY_SIZES = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -4,9 +4,9 @@ pool size.
 Features: whole prompts (``plain``), prefix caching with block hashes (``hash``) and with the radix tree
 (``radix``), chunked prefill under a token budget (``chunked``, and with each prefix cache), an fp8 KV cache
 (``fp8``), tied embeddings (``tied``), Mistral, and a Llama whose ``head_dim`` is set apart from its hidden
-size. Attention: the torch path and the Triton kernel (in the interpreter on a CPU). Pool: ``roomy`` holds
-every request at once; in ``tight`` the longest request barely fits alone, so requests are preempted and
-recomputed (prefix caching: they find their own blocks again).
+size. Attention: the torch path, the Triton kernel (in the interpreter on a CPU) and the fused CPU
+kernel. Pool: ``roomy`` holds every request at once; in ``tight`` the longest request barely fits
+alone, so requests are preempted and recomputed (prefix caching: they find their own blocks again).
 
 Every cell steps its engine by hand through the public API and checks the cache's invariants after every
 step, the token budget where there is one, that every preempted request came back, and at the end that
@@ -66,8 +66,8 @@ POOLS = {"roomy": 16, "tight": 4}
 # Triton runs the features whose kernel calls differ: tied embeddings and Mistral make the same calls as
 # plain Llama, and chunks after prefix-cache hits the same as chunks and hits apart.
 SAME_KERNEL_CALLS = ("tied", "mistral", "chunked-hash", "chunked-radix")
-CELLS = [(feature, attention, pool) for feature in FEATURES for attention in ("torch", "triton")
-         for pool in POOLS if attention == "torch" or feature not in SAME_KERNEL_CALLS]
+CELLS = [(feature, attention, pool) for feature in FEATURES for attention in ("torch", "triton", "cpu")
+         for pool in POOLS if attention != "triton" or feature not in SAME_KERNEL_CALLS]
 
 
 @functools.cache
@@ -158,7 +158,7 @@ def run_cell(feature: str, attention: str, pool: str) -> Run:
         new_tokens = TRITON_NEW_TOKENS
         picked = TRITON_PROMPTS
     keys = [[(0, i) for i in picked]]
-    if options.get("enable_prefix_caching") and attention == "torch":
+    if options.get("enable_prefix_caching") and attention != "triton":
         keys.append([(1, i) for i in picked if i < 4])
     longest = max(len(turn_prompts(model, t)[i]) for turn in keys for t, i in turn) + new_tokens
     num_blocks = 256

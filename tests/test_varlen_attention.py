@@ -11,15 +11,15 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import check, varlen_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
 from pagedlib.calibration import kv_scale
-from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize, quantize
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, paged_attention, rel_error
+from pagedlib.kernels.cpu_varlen import paged_attention_varlen_cpu
 from pagedlib.kernels.varlen import (
     attend_varlen,
     paged_attention_varlen,
@@ -32,63 +32,15 @@ pytest.importorskip("triton", reason="Triton publishes Linux wheels only; the ke
 from pagedlib.kernels.triton_decode import paged_attention_triton
 from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton
 
-IMPLS = {"torch": paged_attention_varlen, "triton": paged_attention_varlen_triton}
+IMPLS = {"torch": paged_attention_varlen, "triton": paged_attention_varlen_triton,
+         "cpu": paged_attention_varlen_cpu}
+# the fused CPU kernel takes CPU tensors only (test_cpu_attention.py has its own tests, Triton or not)
+IMPL_IDS = [pytest.param(i, marks=pytest.mark.skipif(i == "cpu" and torch.cuda.is_available(),
+                                                     reason="the CPU kernel's tensors live on the CPU"))
+            for i in IMPLS]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def varlen_case(cached: list[int], new: list[int], *, block_size: int, kv_heads: int = 2, group: int = 2,
-                head_dim: int = 16, dtype: torch.dtype = torch.float32, share: bool = False, seed: int = 0
-                ) -> tuple[PagedKVCache, tuple[torch.Tensor, ...]]:
-    """A 2-layer cache (blocks in a random order, NaN in every unused slot) where sequence ``s`` holds
-    ``cached[s]`` tokens then its ``new[s]`` new ones, and the varlen arguments for layer 1. ``share``:
-    sequences 1.. are forks of sequence 0 taken after its cached tokens (a prefix-cache hit: their first
-    blocks are sequence 0's), so their cached tokens are ``cached[0] + cached[s]``."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(cached[0] + c + n) // block_size) + 1 for c, n in zip(cached, new)) + 3
-    cache = PagedKVCache(num_blocks, 2, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE,
-                         free_order=torch.randperm(num_blocks, generator=g).tolist(), fill=float("nan"))
-
-    def append(s: int, n: int) -> None:
-        if n:
-            k, v = torch.randn(2, 2, n, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
-            cache.append_tokens(s, k, v)
-
-    cache.add_sequence(0)
-    append(0, cached[0])
-    for s in range(1, len(cached)):
-        cache.fork(0, s) if share else cache.add_sequence(s)
-        append(s, cached[s])
-    for s, n in enumerate(new):
-        append(s, n)
-    seqs = list(range(len(new)))
-    q = torch.randn(sum(new), kv_heads * group, head_dim, generator=g).to(DEVICE, dtype)
-    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    return cache, (q, *cache.layer(1), cache.block_table(seqs), cache.seq_lens_tensor(seqs), qsl)
-
-
-def sdpa_reference(cache: PagedKVCache, args: tuple) -> torch.Tensor:
-    """Per sequence, SDPA in float32 on contiguous copies of its K/V with a causal mask aligned to its
-    last positions (query ``i`` of ``m`` new tokens sits at ``n - m + i``)."""
-    q, starts = args[0], args[5].tolist()
-    out = []
-    for s in range(len(starts) - 1):
-        k, v = (x[1].float().transpose(0, 1)[None] for x in cache.gather(s))   # [1, kv_heads, n, D]
-        m, n = starts[s + 1] - starts[s], k.shape[2]
-        mask = torch.arange(n, device=q.device) <= torch.arange(n - m, n, device=q.device)[:, None]  # [m, n]
-        qs = q[starts[s]:starts[s + 1]].float().transpose(0, 1)[None]          # [1, q_heads, m, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)  # [1, q_heads, m, D]
-        out.append(o[0].transpose(0, 1))
-    return torch.cat(out)
-
-
-def check(out: torch.Tensor, cache: PagedKVCache, args: tuple) -> None:
-    q = args[0]
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.isfinite(out).all(), "NaN from an unused slot leaked into the result"
-    assert rel_error(out, paged_attention_varlen_oracle(*args)) < REL_ERROR_LIMITS[q.dtype]
-    torch.testing.assert_close(out.float(), sdpa_reference(cache, args), **TOLERANCES[q.dtype])
 
 
 @st.composite
@@ -121,14 +73,14 @@ BOUNDARY = [([0], [8]), ([4], [4]), ([4], [3]), ([5], [3]), ([6], [5]), ([3], [1
             ([0, 8, 3, 7], [1, 4, 9, 1]), ([12, 0], [1, 13]), ([2, 2], [2, 6])]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_IDS)
 @pytest.mark.parametrize("cached,new", BOUNDARY)
 def test_chunks_on_and_off_block_boundaries(impl, cached, new):
     cache, args = varlen_case(cached, new, block_size=4)
     check(IMPLS[impl](*args), cache, args)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_IDS)
 def test_prefix_cached_sequences_read_the_shared_blocks(impl):
     cache, args = varlen_case([8, 0, 3], [4, 5, 1], block_size=4, share=True)
     tables = args[3]
@@ -136,7 +88,7 @@ def test_prefix_cached_sequences_read_the_shared_blocks(impl):
     check(IMPLS[impl](*args), cache, args)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_IDS)
 def test_rows_follow_query_start_loc_whatever_the_order_of_decodes_and_chunks(impl):
     cache, args = varlen_case([9, 4, 0, 20], [6, 1, 3, 1], block_size=4)
     check(IMPLS[impl](*args), cache, args)
@@ -187,7 +139,7 @@ def _bad_inputs():
     ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_IDS)
 @pytest.mark.parametrize("what,change,message", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
 def test_bad_input_is_refused_with_a_message_naming_it(impl, what, change, message):
     _, args = varlen_case([1, 0], [4, 3], block_size=4)
@@ -262,7 +214,7 @@ def test_gpu_benchmark_varlen_parts_on_tiny_cpu_tensors():
     assert "## Prefill" in md and md.count("\n| 2 | 12 |") == len(gpu.PREFILL_METHODS)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_IDS)
 @pytest.mark.parametrize("layout", ["heads outside slots", "padded head_dim"])
 def test_caches_of_any_strides_give_the_same_result(impl, layout):
     """Both read pools of any strides: a memory layout with heads outside slots, a padded head_dim."""
@@ -349,7 +301,7 @@ def fp8_case(fmt: torch.dtype, per_head: bool, qdtype: torch.dtype) -> tuple[tup
     return (q, k8, v8, *rest), scales, plain
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPL_IDS)
 @pytest.mark.parametrize("fmt", FP8_DTYPES, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
 @pytest.mark.parametrize("qdtype", DTYPES)

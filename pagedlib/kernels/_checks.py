@@ -245,6 +245,19 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return lens, starts
 
 
+def check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The fused CPU kernel's limits: checked tensors on the CPU, ``head_dim`` at most ``MAX_HEAD_DIM``,
+    each cache's ``head_dim`` contiguous (a pool's per-layer view is)."""
+    if q.device.type != "cpu":
+        raise ValueError(f"the CPU kernel takes tensors on the CPU, got q on {q.device}")
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for the CPU kernel, got {q.shape[2]}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(3) != 1:
+            raise ValueError(f"{name}'s head_dim must be contiguous (stride 1) for the CPU kernel, got "
+                             f"strides {list(cache.stride())}")
+
+
 def check_scales(k_cache: torch.Tensor, k_scale: object, v_scale: object) -> tuple:
     """The scales as ``PagedKVCache`` holds them (``fp8.check_scales``); 1.0 for a cache not in fp8, which
     takes no other (``None`` means 1.0)."""

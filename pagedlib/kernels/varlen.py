@@ -200,7 +200,7 @@ class Step:
     query_start_loc: torch.Tensor     # int32 [B + 1]: sequence b's rows are [loc[b], loc[b + 1])
     block_tables: torch.Tensor        # int32 [B, max_blocks], after the step
     seq_lens: torch.Tensor            # int32 [B], after the step
-    attention: str                    # "torch" (attend_varlen) or "triton"
+    attention: str                    # "torch" (attend_varlen), "triton" or "cpu" (the fused kernels)
     plan: list[Piece] | None = None   # attend_varlen's plan: made at the first layer, kept for the others
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -208,6 +208,11 @@ class Step:
         """One layer's attention for every new token: ``q`` ``[T, q_heads, head_dim]`` -> the same (the
         scales: an fp8 cache's, notebook 10). The torch path skips ``paged_attention_varlen``'s checks and
         plans the step once, at its first layer (as vLLM's backends build their metadata once a step)."""
+        if self.attention == "cpu":  # the fused C kernel: one call reads every block in place
+            from pagedlib.kernels.cpu_varlen import attend_cpu
+
+            return attend_cpu(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
+                              q.shape[-1] ** -0.5, k_scale, v_scale)
         if self.attention == "triton":
             # paged_attention_varlen's Triton twin, imported only when asked for (Linux wheels only)
             from pagedlib.kernels.triton_varlen import paged_attention_varlen_triton

@@ -1,0 +1,201 @@
+/* pagedlib's fused paged attention for CPUs: attention="cpu" (notebooks 04 and 05).
+
+   The loop of the Triton kernels (triton_decode.py, triton_varlen.py), written in C for a processor's
+   cores. One work item is one sequence's query rows for one KV head: a decode's GROUP query heads, or up
+   to ROWS rows (token x query head) of a prompt chunk. It walks the sequence's block table, reads each
+   block of K and V where it lies in the pool, and keeps an online softmax per row. Nothing is gathered
+   into a copy: a float32 block is read in place; fp16, bf16 and fp8 blocks are widened to float one block
+   (one head) at a time into a few kilobytes that stay in the core's cache.
+
+   Built on first use by cpu_varlen.py with the machine's C compiler (-O3, the machine's own vector
+   instructions, OpenMP where the compiler has it); called through ctypes. Arguments are checked there. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS 16                 /* query rows per work item: a tile of (token, query head) rows */
+#define INLINE static inline __attribute__((always_inline))
+
+enum { F32 = 0, F16 = 1, BF16 = 2, BYTE = 3 };  /* how a pool's elements are stored */
+
+typedef struct {                /* one pool, K or V: [num_blocks, block_size, kv_heads, head_dim] */
+    const void *data;
+    int64_t block, slot, head;  /* strides in elements (head_dim's is 1) */
+    int kind;                   /* F32, F16, BF16, or BYTE: one byte read through `table` (fp8) */
+    const float *table;         /* BYTE: the value of each of the 256 bytes */
+    const float *scale;         /* [kv_heads]: multiplies every widened value (fp8's scales; else 1) */
+} Pool;
+
+/* e^x for x <= 0 in a form compilers vectorize: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf
+   polynomial (within 2 ulp), times 2^n built in the exponent bits. Below -87 it returns e^-87 (~1e-38),
+   which no sum of probabilities at least 1 can tell from 0. */
+INLINE float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;     /* ln2 in two parts: r stays exact */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = { ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } out;
+    if (exp == 0x1f) out.u = sign | 0x7f800000u | (man << 13);            /* inf, NaN */
+    else if (exp) out.u = sign | ((exp + 112) << 23) | (man << 13);       /* normal */
+    else { out.f = (float)man * 5.9604644775390625e-8f; out.u |= sign; }  /* subnormal, zero: man 2^-24 */
+    return out.f;
+}
+
+/* Rows [0, n) of head h of block blk as float32: a pointer and its row stride. A float32 pool is read in
+   place; any other is widened (and scaled) into buf, [n, D]. */
+static const float *block_rows(const Pool *p, int64_t blk, int h, int n, int D, float *buf,
+                               int64_t *stride) {
+    int64_t at = blk * p->block + h * p->head;
+    if (p->kind == F32) { *stride = p->slot; return (const float *)p->data + at; }
+    float s = p->scale[h];
+    for (int t = 0; t < n; t++, at += p->slot) {
+        float *row = buf + (int64_t)t * D;
+        if (p->kind == BF16) {
+            const uint16_t *x = (const uint16_t *)p->data + at;
+            for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v = { (uint32_t)x[d] << 16 };
+                                          row[d] = v.f * s; }
+        } else if (p->kind == F16) {
+            const uint16_t *x = (const uint16_t *)p->data + at;
+            for (int d = 0; d < D; d++) row[d] = half_to_float(x[d]) * s;
+        } else {
+            const uint8_t *x = (const uint8_t *)p->data + at;
+            for (int d = 0; d < D; d++) row[d] = p->table[x[d]] * s;
+        }
+    }
+    *stride = D;
+    return buf;
+}
+
+typedef struct {                /* what every work item of one call shares */
+    const float *q; float *out;   /* [T, q_heads, D], float32, contiguous */
+    Pool k, v;
+    const int32_t *tables; int64_t table_stride;  /* [batch, max_blocks] */
+    const int32_t *seq_lens, *qsl;                /* [batch], [batch + 1] */
+    int q_heads, group, block_size, num_blocks;
+    float scale;
+} Call;
+
+/* One work item: sequence b's query rows [r0, r1) for KV head h. Row r is new token r / group (at position
+   context + r / group) and query head h * group + r % group; it sees keys 0..its position. D: head_dim,
+   a compile-time constant where the caller passes one (the loops then unroll and vectorize in full).
+   Returns 1 if the table names a block outside the pool (nothing is read there), else 0. */
+INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
+    float acc[ROWS][D], qs[ROWS][D], m[ROWS], l[ROWS], s[c->block_size];
+    int R = r1 - r0, bs = c->block_size, G = c->group, q0 = c->qsl[b];
+    int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);        /* tokens before the new ones */
+    for (int r = 0; r < R; r++) {  /* each row's query, times the softmax scale; its state */
+        const float *qr = c->q + ((int64_t)(q0 + (r0 + r) / G) * c->q_heads + h * G + (r0 + r) % G) * D;
+        for (int d = 0; d < D; d++) { qs[r][d] = qr[d] * c->scale; acc[r][d] = 0.0f; }
+        m[r] = -INFINITY; l[r] = 0.0f;
+    }
+    int last = context + (r1 - 1) / G;                   /* the last row's position: keys 0..last */
+    for (int j = 0; j <= last / bs; j++) {               /* the table walk, one block at a time */
+        int64_t blk = c->tables[(int64_t)b * c->table_stride + j], ks, vs;
+        if (blk < 0 || blk >= c->num_blocks) return 1;
+        int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;  /* slots anyone here sees */
+        const float *kp = block_rows(&c->k, blk, h, n, D, kbuf, &ks);
+        const float *vp = block_rows(&c->v, blk, h, n, D, vbuf, &vs);
+        for (int r = 0; r < R; r++) {
+            int see = context + (r0 + r) / G + 1 - j * bs;    /* causal: this row's keys in the block */
+            if (see <= 0) continue;
+            if (see > n) see = n;
+            float top = m[r];
+            for (int t = 0; t < see; t++) {                   /* scores */
+                float dot = 0.0f;
+                #pragma omp simd reduction(+:dot)
+                for (int d = 0; d < D; d++) dot += qs[r][d] * kp[t * ks + d];
+                s[t] = dot;
+                top = dot > top ? dot : top;
+            }
+            float sum = 0.0f, fix = exp_neg(m[r] - top);      /* online softmax: rescale what came before */
+            #pragma omp simd reduction(+:sum)
+            for (int t = 0; t < see; t++) { s[t] = exp_neg(s[t] - top); sum += s[t]; }
+            l[r] = l[r] * fix + sum;
+            m[r] = top;
+            float a[D];
+            for (int d = 0; d < D; d++) a[d] = acc[r][d] * fix;
+            for (int t = 0; t < see; t++)                     /* probabilities times V */
+                #pragma omp simd
+                for (int d = 0; d < D; d++) a[d] += s[t] * vp[t * vs + d];
+            for (int d = 0; d < D; d++) acc[r][d] = a[d];
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *o = c->out + ((int64_t)(q0 + (r0 + r) / G) * c->q_heads + h * G + (r0 + r) % G) * D;
+        for (int d = 0; d < D; d++) o[d] = acc[r][d] / l[r];
+    }
+    return 0;
+}
+
+/* attend_rows compiled once per common head_dim, and once for any other (up to 256) */
+#define ROWS_FOR(D) static int rows_##D(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, \
+                                        float *vb) { (void)dim; return attend_rows(c, b, h, r0, r1, D, kb, vb); }
+ROWS_FOR(32)
+ROWS_FOR(64)
+ROWS_FOR(128)
+static int rows_any(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, float *vb) {
+    return attend_rows(c, b, h, r0, r1, dim, kb, vb);
+}
+
+/* The work items in order: sequence by sequence, for each its KV heads, for each its tiles of ROWS rows.
+   first[b] is sequence b's first item; returns the count. */
+static int64_t plan_items(const int32_t *qsl, int batch, int kv_heads, int group, int64_t *first) {
+    first[0] = 0;
+    for (int b = 0; b < batch; b++) {
+        int64_t rows = (int64_t)(qsl[b + 1] - qsl[b]) * group;
+        first[b + 1] = first[b] + kv_heads * ((rows + ROWS - 1) / ROWS);
+    }
+    return first[batch];
+}
+
+/* Attention for every query row of a step: q [T, q_heads, head_dim] float32 (pagedlib's varlen layout,
+   query_start_loc's rows), out the same, on `threads` threads. Returns 0; -1 if memory ran out; 1 if a
+   block table names a block outside the pool (nothing is read there; out is then incomplete). */
+int paged_attention_varlen_cpu(const float *q, float *out, const Pool *k, const Pool *v,
+                               const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                               const int32_t *qsl, int batch, int q_heads, int kv_heads, int head_dim,
+                               int block_size, int num_blocks, float scale, int threads) {
+    Call c = { q, out, *k, *v, tables, table_stride, seq_lens, qsl, q_heads, q_heads / kv_heads,
+               block_size, num_blocks, scale };
+    int (*rows)(const Call *, int, int, int, int, int, float *, float *) =
+        head_dim == 32 ? rows_32 : head_dim == 64 ? rows_64 : head_dim == 128 ? rows_128 : rows_any;
+    int64_t *first = malloc(sizeof(int64_t) * (batch + 1));
+    if (!first) return -1;
+    int64_t items = plan_items(qsl, batch, kv_heads, c.group, first);
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc(sizeof(float) * 2 * block_size * head_dim);  /* one block's widened K, V */
+        #pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < items; i++) {
+            int lo = 0, hi = batch - 1;                 /* the sequence whose items hold item i */
+            while (lo < hi) { int mid = (lo + hi + 1) / 2; if (first[mid] <= i) lo = mid; else hi = mid - 1; }
+            int64_t tiles = (first[lo + 1] - first[lo]) / kv_heads, within = i - first[lo];
+            int all = (qsl[lo + 1] - qsl[lo]) * c.group, r0 = (int)(within % tiles) * ROWS;
+            int r1 = r0 + ROWS < all ? r0 + ROWS : all, err = -1;
+            if (buf) err = rows(&c, lo, (int)(within / tiles), r0, r1, head_dim, buf,
+                                buf + (int64_t)block_size * head_dim);
+            if (err) {
+                #pragma omp atomic write
+                status = err;
+            }
+        }
+        free(buf);
+    }
+    free(first);
+    return status;
+}
