@@ -1,19 +1,24 @@
 /* pagedlib's fused paged attention for CPUs: attention="cpu" (notebooks 04 and 05).
 
    The loop of the Triton kernels (triton_decode.py, triton_varlen.py), written in C for a processor's
-   cores. One work item is one sequence's query rows for one KV head: a decode's GROUP query heads, or up
-   to ROWS rows (token x query head) of a prompt chunk. It walks the sequence's block table, reads each
-   block of K and V where it lies in the pool, and keeps an online softmax per row. Nothing is gathered
-   into a copy: a float32 block is read in place; fp16, bf16 and fp8 blocks are widened to float one block
-   (one head) at a time into a few kilobytes that stay in the core's cache.
+   cores. A work item is one sequence's query rows for one KV head: a decode's GROUP query heads, or up to
+   ROWS rows (token x query head) of a prompt chunk. It walks the sequence's block table, reads each block
+   of K and V where it lies in the pool, and keeps an online softmax per row. Nothing is gathered into a
+   copy: a float32 block is read in place; fp16, bf16 and fp8 blocks are widened to float one block (one
+   head) at a time into a few kilobytes that stay in the core's cache.
+
+   Two loops, for two shapes of work. A few rows (a decode) take dot products, key after key
+   (attend_rows). A tile of many rows (a prompt chunk) takes each key against all its rows at once, its
+   queries transposed so that the arithmetic runs along the rows (attend_tile): a dot product ends in a
+   sum across a vector, which costs more than its multiply-adds when head_dim is small.
 
    Built on first use by cpu_varlen.py with the machine's C compiler (-O3, the machine's own vector
-   instructions, OpenMP where the compiler has it); called through ctypes. Arguments are checked there. */
+   instructions, OpenMP where the compiler has it) and called through ctypes; it checks the arguments. */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define ROWS 16                 /* query rows per work item: a tile of (token, query head) rows */
 #define INLINE static inline __attribute__((always_inline))
@@ -28,9 +33,18 @@ typedef struct {                /* one pool, K or V: [num_blocks, block_size, kv
     const float *scale;         /* [kv_heads]: multiplies every widened value (fp8's scales; else 1) */
 } Pool;
 
+typedef struct {                /* what every work item of one call shares */
+    const float *q; float *out;   /* [T, q_heads, D], float32, contiguous */
+    Pool k, v;
+    const int32_t *tables; int64_t table_stride;  /* [batch, max_blocks] */
+    const int32_t *seq_lens, *qsl;                /* [batch], [batch + 1] */
+    int q_heads, group, block_size, num_blocks;
+    float scale;
+} Call;
+
 /* e^x for x <= 0 in a form compilers vectorize: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf
-   polynomial (within 2 ulp), times 2^n built in the exponent bits. Below -87 it returns e^-87 (~1e-38),
-   which no sum of probabilities at least 1 can tell from 0. */
+   polynomial, times 2^n built in the exponent bits; within 1.02 ulp of e^x on every float in [-87, 0].
+   Below -87 it returns e^-87 (~1e-38), which no sum of probabilities of at least 1 can tell from 0. */
 INLINE float exp_neg(float x) {
     x = x < -87.0f ? -87.0f : x;
     float n = rintf(x * 1.44269504088896341f);
@@ -80,75 +94,153 @@ static const float *block_rows(const Pool *p, int64_t blk, int h, int n, int D, 
     return buf;
 }
 
-typedef struct {                /* what every work item of one call shares */
-    const float *q; float *out;   /* [T, q_heads, D], float32, contiguous */
-    Pool k, v;
-    const int32_t *tables; int64_t table_stride;  /* [batch, max_blocks] */
-    const int32_t *seq_lens, *qsl;                /* [batch], [batch + 1] */
-    int q_heads, group, block_size, num_blocks;
-    float scale;
-} Call;
+/* Row `row` of a work item of sequence b, KV head h, in q or out: new token row / group of the sequence
+   (which starts at q's row q0), query head h * group + row % group. */
+INLINE int64_t row_at(const Call *c, int q0, int h, int row, int D) {
+    return ((int64_t)(q0 + row / c->group) * c->q_heads + h * c->group + row % c->group) * D;
+}
 
-/* One work item: sequence b's query rows [r0, r1) for KV head h. Row r is new token r / group (at position
-   context + r / group) and query head h * group + r % group; it sees keys 0..its position. D: head_dim,
-   a compile-time constant where the caller passes one (the loops then unroll and vectorize in full).
-   Returns 1 if the table names a block outside the pool (nothing is read there), else 0. */
+/* Block j of sequence b's table, K and V of head h as float rows (read in place or widened into kbuf,
+   vbuf); n: the slots anyone in the item sees (keys 0..last). Returns 0, or 1 for a block outside the
+   pool (then nothing is read). */
+INLINE int fetch_block(const Call *c, int b, int j, int h, int n, int D, float *kbuf, float *vbuf,
+                       const float **kp, int64_t *ks, const float **vp, int64_t *vs) {
+    int64_t blk = c->tables[(int64_t)b * c->table_stride + j];
+    if (blk < 0 || blk >= c->num_blocks) return 1;
+    *kp = block_rows(&c->k, blk, h, n, D, kbuf, ks);
+    *vp = block_rows(&c->v, blk, h, n, D, vbuf, vs);
+    return 0;
+}
+
+/* acc[r] = acc[r] * fix + sum over t < see of p[t * step] * v[t]: probabilities times V, in registers */
+INLINE void add_pv(float *acc, float fix, const float *p, int step, int see, const float *vp, int64_t vs,
+                   const int D) {
+    float a[D];
+    for (int d = 0; d < D; d++) a[d] = acc[d] * fix;
+    for (int t = 0; t < see; t++)
+        #pragma omp simd
+        for (int d = 0; d < D; d++) a[d] += p[t * step] * vp[t * vs + d];
+    for (int d = 0; d < D; d++) acc[d] = a[d];
+}
+
+/* A work item of few rows (R <= ROWS / 2: a decode's group): sequence b's rows [r0, r1) for KV head h.
+   Row r is at position context + r / group and sees keys 0..its position. D is a compile-time constant
+   where the caller passes one (the loops over it then unroll). Each row's scores are dot products, four
+   keys at a time. Returns 1 if the table names a block outside the pool, else 0. */
 INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
     float acc[ROWS][D], qs[ROWS][D], m[ROWS], l[ROWS], s[c->block_size];
     int R = r1 - r0, bs = c->block_size, G = c->group, q0 = c->qsl[b];
     int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);        /* tokens before the new ones */
-    for (int r = 0; r < R; r++) {  /* each row's query, times the softmax scale; its state */
-        const float *qr = c->q + ((int64_t)(q0 + (r0 + r) / G) * c->q_heads + h * G + (r0 + r) % G) * D;
+    for (int r = 0; r < R; r++) {              /* each row's query, times the softmax scale; its state */
+        const float *qr = c->q + row_at(c, q0, h, r0 + r, D);
         for (int d = 0; d < D; d++) { qs[r][d] = qr[d] * c->scale; acc[r][d] = 0.0f; }
-        m[r] = -INFINITY; l[r] = 0.0f;
+        m[r] = -FLT_MAX; l[r] = 0.0f;
     }
     int last = context + (r1 - 1) / G;                   /* the last row's position: keys 0..last */
     for (int j = 0; j <= last / bs; j++) {               /* the table walk, one block at a time */
-        int64_t blk = c->tables[(int64_t)b * c->table_stride + j], ks, vs;
-        if (blk < 0 || blk >= c->num_blocks) return 1;
-        int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;  /* slots anyone here sees */
-        const float *kp = block_rows(&c->k, blk, h, n, D, kbuf, &ks);
-        const float *vp = block_rows(&c->v, blk, h, n, D, vbuf, &vs);
+        int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
+        const float *kp, *vp; int64_t ks, vs;
+        if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kp, &ks, &vp, &vs)) return 1;
         for (int r = 0; r < R; r++) {
             int see = context + (r0 + r) / G + 1 - j * bs;    /* causal: this row's keys in the block */
             if (see <= 0) continue;
-            if (see > n) see = n;
-            float top = m[r];
-            for (int t = 0; t < see; t++) {                   /* scores */
+            see = see < n ? see : n;
+            const float *qr = qs[r];
+            int t = 0;
+            for (; t + 4 <= see; t += 4) {                    /* scores, four keys at a time */
+                const float *k0 = kp + t * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+                #pragma omp simd reduction(+:d0, d1, d2, d3)
+                for (int d = 0; d < D; d++) {
+                    d0 += qr[d] * k0[d]; d1 += qr[d] * k1[d]; d2 += qr[d] * k2[d]; d3 += qr[d] * k3[d];
+                }
+                s[t] = d0; s[t + 1] = d1; s[t + 2] = d2; s[t + 3] = d3;
+            }
+            for (; t < see; t++) {                            /* and the last few one by one */
                 float dot = 0.0f;
                 #pragma omp simd reduction(+:dot)
-                for (int d = 0; d < D; d++) dot += qs[r][d] * kp[t * ks + d];
+                for (int d = 0; d < D; d++) dot += qr[d] * kp[t * ks + d];
                 s[t] = dot;
-                top = dot > top ? dot : top;
             }
-            float sum = 0.0f, fix = exp_neg(m[r] - top);      /* online softmax: rescale what came before */
+            float top = m[r], sum = 0.0f;
+            for (int t = 0; t < see; t++) top = s[t] > top ? s[t] : top;
             #pragma omp simd reduction(+:sum)
             for (int t = 0; t < see; t++) { s[t] = exp_neg(s[t] - top); sum += s[t]; }
+            float fix = exp_neg(m[r] - top);                  /* online softmax: rescale what came before */
             l[r] = l[r] * fix + sum;
             m[r] = top;
-            float a[D];
-            for (int d = 0; d < D; d++) a[d] = acc[r][d] * fix;
-            for (int t = 0; t < see; t++)                     /* probabilities times V */
-                #pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += s[t] * vp[t * vs + d];
-            for (int d = 0; d < D; d++) acc[r][d] = a[d];
+            add_pv(acc[r], fix, s, 1, see, vp, vs, D);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float *o = c->out + ((int64_t)(q0 + (r0 + r) / G) * c->q_heads + h * G + (r0 + r) % G) * D;
-        for (int d = 0; d < D; d++) o[d] = acc[r][d] / l[r];
-    }
+    for (int r = 0; r < R; r++)
+        for (int d = 0; d < D; d++) c->out[row_at(c, q0, h, r0 + r, D) + d] = acc[r][d] / l[r];
     return 0;
 }
 
-/* attend_rows compiled once per common head_dim, and once for any other (up to 256) */
-#define ROWS_FOR(D) static int rows_##D(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, \
-                                        float *vb) { (void)dim; return attend_rows(c, b, h, r0, r1, D, kb, vb); }
-ROWS_FOR(32)
-ROWS_FOR(64)
-ROWS_FOR(128)
-static int rows_any(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, float *vb) {
-    return attend_rows(c, b, h, r0, r1, dim, kb, vb);
+/* A work item of many rows (a prompt chunk's tile), as attend_rows computes it. Its queries transposed
+   once, qT [D, ROWS], each key's scores for every row come from one multiply-add per element of the key,
+   along the rows; s[t][r] holds scores, then probabilities (0 where a row must not see key t). */
+INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
+    float acc[ROWS][D], qT[D][ROWS], s[c->block_size][ROWS], m[ROWS], l[ROWS], top[ROWS], sum[ROWS];
+    int see[ROWS], R = r1 - r0, bs = c->block_size, G = c->group, q0 = c->qsl[b];
+    int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);
+    for (int r = 0; r < ROWS; r++) {           /* rows past R: zero queries that see nothing */
+        const float *qr = c->q + row_at(c, q0, h, r0 + (r < R ? r : 0), D);
+        for (int d = 0; d < D; d++) { qT[d][r] = r < R ? qr[d] * c->scale : 0.0f; acc[r][d] = 0.0f; }
+        m[r] = -FLT_MAX; l[r] = 0.0f;
+    }
+    int last = context + (r1 - 1) / G;
+    for (int j = 0; j <= last / bs; j++) {
+        int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
+        const float *kp, *vp; int64_t ks, vs;
+        if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kp, &ks, &vp, &vs)) return 1;
+        for (int r = 0; r < ROWS; r++) {
+            int v = r < R ? context + (r0 + r) / G + 1 - j * bs : 0;
+            see[r] = v < 0 ? 0 : v > n ? n : v;
+            top[r] = m[r]; sum[r] = 0.0f;
+        }
+        for (int t = 0; t < n; t++) {                         /* scores: key t against every row */
+            float st[ROWS] = {0};
+            for (int d = 0; d < D; d++)
+                #pragma omp simd
+                for (int r = 0; r < ROWS; r++) st[r] += qT[d][r] * kp[t * ks + d];
+            #pragma omp simd
+            for (int r = 0; r < ROWS; r++) {
+                s[t][r] = st[r];
+                top[r] = t < see[r] && st[r] > top[r] ? st[r] : top[r];
+            }
+        }
+        for (int t = 0; t < n; t++)                           /* probabilities: exactly 0 past a row's see */
+            #pragma omp simd
+            for (int r = 0; r < ROWS; r++) {
+                s[t][r] = t < see[r] ? exp_neg(s[t][r] - top[r]) : 0.0f;
+                sum[r] += s[t][r];
+            }
+        for (int r = 0; r < R; r++) {
+            float fix = exp_neg(m[r] - top[r]);
+            l[r] = l[r] * fix + sum[r];
+            m[r] = top[r];
+            add_pv(acc[r], fix, &s[0][r], ROWS, see[r], vp, vs, D);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int d = 0; d < D; d++) c->out[row_at(c, q0, h, r0 + r, D) + d] = acc[r][d] / l[r];
+    return 0;
+}
+
+/* Either loop, compiled once per common head_dim and once for any other (up to 256) */
+INLINE int attend_item(const Call *c, int b, int h, int r0, int r1, const int D, float *kb, float *vb) {
+    if (r1 - r0 > ROWS / 2) return attend_tile(c, b, h, r0, r1, D, kb, vb);
+    return attend_rows(c, b, h, r0, r1, D, kb, vb);
+}
+typedef int (*Item)(const Call *, int, int, int, int, int, float *, float *);
+#define ITEM_FOR(D) static int item_##D(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, \
+                                        float *vb) { (void)dim; return attend_item(c, b, h, r0, r1, D, kb, vb); }
+ITEM_FOR(32)
+ITEM_FOR(64)
+ITEM_FOR(128)
+static int item_any(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, float *vb) {
+    return attend_item(c, b, h, r0, r1, dim, kb, vb);
 }
 
 /* The work items in order: sequence by sequence, for each its KV heads, for each its tiles of ROWS rows.
@@ -163,23 +255,23 @@ static int64_t plan_items(const int32_t *qsl, int batch, int kv_heads, int group
 }
 
 /* Attention for every query row of a step: q [T, q_heads, head_dim] float32 (pagedlib's varlen layout,
-   query_start_loc's rows), out the same, on `threads` threads. Returns 0; -1 if memory ran out; 1 if a
-   block table names a block outside the pool (nothing is read there; out is then incomplete). */
+   query_start_loc's rows), out the same, the work items shared by `threads` threads. Returns 0; -1 if
+   memory ran out; 1 if a block table names a block outside the pool (nothing is read there; out is then
+   incomplete). */
 int paged_attention_varlen_cpu(const float *q, float *out, const Pool *k, const Pool *v,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                                const int32_t *qsl, int batch, int q_heads, int kv_heads, int head_dim,
                                int block_size, int num_blocks, float scale, int threads) {
     Call c = { q, out, *k, *v, tables, table_stride, seq_lens, qsl, q_heads, q_heads / kv_heads,
                block_size, num_blocks, scale };
-    int (*rows)(const Call *, int, int, int, int, int, float *, float *) =
-        head_dim == 32 ? rows_32 : head_dim == 64 ? rows_64 : head_dim == 128 ? rows_128 : rows_any;
+    Item item = head_dim == 32 ? item_32 : head_dim == 64 ? item_64 : head_dim == 128 ? item_128 : item_any;
     int64_t *first = malloc(sizeof(int64_t) * (batch + 1));
     if (!first) return -1;
     int64_t items = plan_items(qsl, batch, kv_heads, c.group, first);
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *buf = malloc(sizeof(float) * 2 * block_size * head_dim);  /* one block's widened K, V */
+        float *buf = malloc(sizeof(float) * 2 * block_size * head_dim);  /* one block's widened K and V */
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < items; i++) {
             int lo = 0, hi = batch - 1;                 /* the sequence whose items hold item i */
@@ -187,7 +279,7 @@ int paged_attention_varlen_cpu(const float *q, float *out, const Pool *k, const 
             int64_t tiles = (first[lo + 1] - first[lo]) / kv_heads, within = i - first[lo];
             int all = (qsl[lo + 1] - qsl[lo]) * c.group, r0 = (int)(within % tiles) * ROWS;
             int r1 = r0 + ROWS < all ? r0 + ROWS : all, err = -1;
-            if (buf) err = rows(&c, lo, (int)(within / tiles), r0, r1, head_dim, buf,
+            if (buf) err = item(&c, lo, (int)(within / tiles), r0, r1, head_dim, buf,
                                 buf + (int64_t)block_size * head_dim);
             if (err) {
                 #pragma omp atomic write
