@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedlib import checks, loader
 from pagedlib.core.cache import Batch, PagedKVCache, padded_tables
+from pagedlib.kernels.cpu_gemm import PackedLinear
 from pagedlib.kernels.varlen import Step
 
 
@@ -83,10 +84,10 @@ class Attention(nn.Module):
         self.head_dim = shape.head_dim
         q_size = shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
-        self.q_proj = nn.Linear(shape.hidden_size, q_size, bias=False)
-        self.k_proj = nn.Linear(shape.hidden_size, kv_size, bias=False)
-        self.v_proj = nn.Linear(shape.hidden_size, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
+        self.q_proj = PackedLinear(shape.hidden_size, q_size, bias=False)
+        self.k_proj = PackedLinear(shape.hidden_size, kv_size, bias=False)
+        self.v_proj = PackedLinear(shape.hidden_size, kv_size, bias=False)
+        self.o_proj = PackedLinear(q_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
                 cache: PagedKVCache) -> torch.Tensor:
@@ -111,9 +112,9 @@ class MLP(nn.Module):
 
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gate_proj = PackedLinear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = PackedLinear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -146,7 +147,7 @@ class PagedLlama(nn.Module):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, layer) for layer in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = PackedLinear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -162,6 +163,14 @@ class PagedLlama(nn.Module):
         shape = LlamaShape.from_hf(config)
         checks.check_model_dtype(dtype)  # before the model's weights are allocated
         return loader.load_weights(cls(shape), state_dict, dtype, device)
+
+    def pack_weights(self) -> PagedLlama:
+        """Pack every projection's weight for oneDNN, as vLLM's CPU path does (``PackedLinear``; float32 on a
+        CPU): a second copy of the weights, made again if one changes. Returns the model."""
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.pack()
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

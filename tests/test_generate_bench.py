@@ -21,7 +21,7 @@ def test_generate_benchmark_runs_and_every_method_agrees(tmp_path, capsys):
     assert torch.get_num_threads() == threads                      # restored
     assert "hf_generate_batch" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"engine", "engine_chunked", "hf_generate", "hf_generate_batch"}
+    assert set(rows) == {"engine", "engine_chunked", "engine_cpu", "hf_generate", "hf_generate_batch"}
     assert all(r["same_tokens"] == "yes" and r["tokens_per_s"] > 0 for r in rows.values())
     assert rows["engine"]["speedup vs engine"] == 1 and all(r["new_tokens"] == 30 for r in rows.values())
     # the padded contiguous cache holds 5 rows of the longest prompt; the pool fits each request exactly

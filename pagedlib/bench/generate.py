@@ -1,12 +1,14 @@
 """``python -m pagedlib.bench generate``: end-to-end greedy generation, tokens per second (notebook 08).
 
 The same requests (seeded random prompts of different lengths, ``--max-new-tokens`` each) on the same
-model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``LlamaConfig``), four ways:
+model (a seeded random Llama of ``--hidden`` ... sizes, built from a local ``LlamaConfig``), several ways:
 ``engine`` (``pagedlib.engine.Engine``: continuous batching on the paged cache, whole prompts, ``torch``
 attention; also ``engine_triton`` on CUDA), ``engine_chunked`` (the same with a token budget of
-``--max-num-batched-tokens`` per step: chunked prefill), ``hf_generate`` (transformers' ``generate`` on one
-left-padded batch, its contiguous ``DynamicCache``) and ``hf_generate_batch`` (transformers' paged
-continuous batching, ``generate_batch``).
+``--max-num-batched-tokens`` per step: chunked prefill), ``engine_cpu`` (on a CPU: ``engine_chunked`` set up
+for a CPU as vLLM's CPU path is, its fused attention kernel, ``attention="cpu"``, where a C compiler builds
+it, and, in float32, weights packed for oneDNN, ``PagedLlama.pack_weights``), ``hf_generate`` (transformers'
+``generate`` on one left-padded batch, its contiguous ``DynamicCache``) and ``hf_generate_batch``
+(transformers' paged continuous batching, ``generate_batch``).
 
 ``tokens_per_s`` is new tokens over the best of ``--repeats`` wall-clock runs; ``speedup`` is the engine's
 time over the method's in the same run (above 1: faster than the engine). ``kv_alloc_MB`` is what the
@@ -276,8 +278,8 @@ def _run(args: argparse.Namespace) -> int:
              f"{len(prompts)} prompts of {args.min_prompt}-"
              f"{args.max_prompt} tokens, {args.max_new_tokens} new each; Llama hidden {args.hidden}, "
              f"{args.layers} layers, {args.heads}/{args.kv_heads} heads; block size {args.block_size} "
-             f"(vllm: {VLLM_BLOCK_SIZE}); engine_chunked and vllm: {args.max_num_batched_tokens} tokens "
-             f"per step")
+             f"(vllm: {VLLM_BLOCK_SIZE}); engine_chunked, engine_cpu and vllm: "
+             f"{args.max_num_batched_tokens} tokens per step")
     print_table(rows, COLUMNS, title=title)
     if args.json:
         import transformers
@@ -299,6 +301,19 @@ def all_methods(stack: Any, hf: Any, prompts: list[list[int]], args: argparse.Na
     }
     if device == "cuda":
         methods["engine_triton"] = lambda: run_engine(model, hf, prompts, args, "triton")
+    else:
+        from pagedlib.kernels.cpu_varlen import cpu_kernel_available
+
+        available, why = cpu_kernel_available()
+        if available and args.dtype == "float32":  # packed for oneDNN: float32 only
+            fast = PagedLlama.from_hf(hf).pack_weights()
+            methods["engine_cpu"] = lambda: run_engine(fast, hf, prompts, args, "cpu",
+                                                       args.max_num_batched_tokens)
+        elif available:
+            methods["engine_cpu"] = lambda: run_engine(model, hf, prompts, args, "cpu",
+                                                       args.max_num_batched_tokens)
+        else:
+            print(f"no engine_cpu row: {why}")
     methods["hf_generate"] = lambda: run_hf_generate(hf, prompts, args)
     methods["hf_generate_batch"] = lambda: run_hf_generate_batch(hf, prompts, args)
     vllm = start_vllm(stack, hf, args)

@@ -38,7 +38,7 @@ typedef struct {                /* what every work item of one call shares */
     Pool k, v;
     const int32_t *tables; int64_t table_stride;  /* [batch, max_blocks] */
     const int32_t *seq_lens, *qsl;                /* [batch], [batch + 1] */
-    int q_heads, group, block_size, num_blocks;
+    int q_heads, kv_heads, group, block_size, num_blocks;
     float scale;
 } Call;
 
@@ -69,46 +69,60 @@ static float half_to_float(uint16_t h) {
     return out.f;
 }
 
-/* Rows [0, n) of head h of block blk as float32: a pointer and its row stride. A float32 pool is read in
-   place; any other is widened (and scaled) into buf, [n, D]. */
-static const float *block_rows(const Pool *p, int64_t blk, int h, int n, int D, float *buf,
-                               int64_t *stride) {
-    int64_t at = blk * p->block + h * p->head;
-    if (p->kind == F32) { *stride = p->slot; return (const float *)p->data + at; }
-    float s = p->scale[h];
-    for (int t = 0; t < n; t++, at += p->slot) {
-        float *row = buf + (int64_t)t * D;
-        if (p->kind == BF16) {
-            const uint16_t *x = (const uint16_t *)p->data + at;
-            for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v = { (uint32_t)x[d] << 16 };
-                                          row[d] = v.f * s; }
-        } else if (p->kind == F16) {
-            const uint16_t *x = (const uint16_t *)p->data + at;
-            for (int d = 0; d < D; d++) row[d] = half_to_float(x[d]) * s;
-        } else {
-            const uint8_t *x = (const uint8_t *)p->data + at;
-            for (int d = 0; d < D; d++) row[d] = p->table[x[d]] * s;
-        }
+/* Slots [0, n) of heads [h0, h0 + heads) of block blk as float32: a pointer and the strides of a slot
+   and of a head. A float32 pool is read in place; any other is widened (and scaled) into buf, [n, heads,
+   D]. */
+static const float *block_rows(const Pool *p, int64_t blk, int h0, int heads, int n, int D, float *buf,
+                               int64_t *slot, int64_t *head) {
+    if (p->kind == F32) {
+        *slot = p->slot; *head = p->head;
+        return (const float *)p->data + blk * p->block + h0 * p->head;
     }
-    *stride = D;
+    for (int t = 0; t < n; t++)
+        for (int h = h0; h < h0 + heads; h++) {
+            int64_t at = blk * p->block + t * p->slot + h * p->head;
+            float *row = buf + ((int64_t)t * heads + h - h0) * D, s = p->scale[h];
+            if (p->kind == BF16) {
+                const uint16_t *x = (const uint16_t *)p->data + at;
+                for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v = { (uint32_t)x[d] << 16 };
+                                              row[d] = v.f * s; }
+            } else if (p->kind == F16) {
+                const uint16_t *x = (const uint16_t *)p->data + at;
+                for (int d = 0; d < D; d++) row[d] = half_to_float(x[d]) * s;
+            } else {
+                const uint8_t *x = (const uint8_t *)p->data + at;
+                for (int d = 0; d < D; d++) row[d] = p->table[x[d]] * s;
+            }
+        }
+    *slot = (int64_t)heads * D; *head = D;
     return buf;
 }
 
-/* Row `row` of a work item of sequence b, KV head h, in q or out: new token row / group of the sequence
-   (which starts at q's row q0), query head h * group + row % group. */
-INLINE int64_t row_at(const Call *c, int q0, int h, int row, int D) {
-    return ((int64_t)(q0 + row / c->group) * c->q_heads + h * c->group + row % c->group) * D;
+/* A work item's row r: a new token of the sequence (0 its first) and a query head. An item of one KV
+   head h (h >= 0) has `group` rows per token, its query heads h * group...; an item of every head (h < 0,
+   a decode's) has q_heads rows per token. */
+typedef struct { int token, head; } Row;
+INLINE Row row_of(const Call *c, int h, int r) {
+    int width = h < 0 ? c->q_heads : c->group;
+    Row x = { r / width, (h < 0 ? 0 : h * c->group) + r % width };
+    return x;
 }
 
-/* Block j of sequence b's table, K and V of head h as float rows (read in place or widened into kbuf,
-   vbuf); n: the slots anyone in the item sees (keys 0..last). Returns 0, or 1 for a block outside the
-   pool (then nothing is read). */
+/* Where a row's query is in q and its output in out (the sequence's first new token is q's row q0). */
+INLINE int64_t row_at(const Call *c, int q0, Row x, int D) {
+    return ((int64_t)(q0 + x.token) * c->q_heads + x.head) * D;
+}
+
+/* Block j of sequence b's table, K and V of the item's heads (h, or all of them for h < 0) as float rows,
+   read in place or widened into kbuf, vbuf; n: the slots anyone in the item sees. Strides: a slot's and a
+   head's. Returns 0, or 1 for a block outside the pool (then nothing is read). */
 INLINE int fetch_block(const Call *c, int b, int j, int h, int n, int D, float *kbuf, float *vbuf,
-                       const float **kp, int64_t *ks, const float **vp, int64_t *vs) {
+                       const float **kp, const float **vp, int64_t stride[4]) {
     int64_t blk = c->tables[(int64_t)b * c->table_stride + j];
     if (blk < 0 || blk >= c->num_blocks) return 1;
-    *kp = block_rows(&c->k, blk, h, n, D, kbuf, ks);
-    *vp = block_rows(&c->v, blk, h, n, D, vbuf, vs);
+    int h0 = h < 0 ? 0 : h, heads = h < 0 ? c->kv_heads : 1;
+    *kp = block_rows(&c->k, blk, h0, heads, n, D, kbuf, &stride[0], &stride[1]);
+    *vp = block_rows(&c->v, blk, h0, heads, n, D, vbuf, &stride[2], &stride[3]);
     return 0;
 }
 
@@ -123,29 +137,34 @@ INLINE void add_pv(float *acc, float fix, const float *p, int step, int see, con
     for (int d = 0; d < D; d++) acc[d] = a[d];
 }
 
-/* A work item of few rows (R <= ROWS / 2: a decode's group): sequence b's rows [r0, r1) for KV head h.
-   Row r is at position context + r / group and sees keys 0..its position. D is a compile-time constant
-   where the caller passes one (the loops over it then unroll). Each row's scores are dot products, four
-   keys at a time. Returns 1 if the table names a block outside the pool, else 0. */
+/* A work item of few rows: sequence b's rows [r0, r1) (of KV head h, or of every head for h < 0: a
+   decode's item reads whole blocks, every head's slots in memory order). A row at position p sees keys
+   0..p. D is a compile-time constant where the caller passes one (the loops over it then unroll). Each
+   row's scores are dot products, four keys at a time. Returns 1 if the table names a block outside the
+   pool, else 0. */
 INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
     float acc[ROWS][D], qs[ROWS][D], m[ROWS], l[ROWS], s[c->block_size];
-    int R = r1 - r0, bs = c->block_size, G = c->group, q0 = c->qsl[b];
+    int R = r1 - r0, bs = c->block_size, q0 = c->qsl[b], kvh[ROWS], pos[ROWS];
     int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);        /* tokens before the new ones */
     for (int r = 0; r < R; r++) {              /* each row's query, times the softmax scale; its state */
-        const float *qr = c->q + row_at(c, q0, h, r0 + r, D);
+        Row x = row_of(c, h, r0 + r);
+        const float *qr = c->q + row_at(c, q0, x, D);
         for (int d = 0; d < D; d++) { qs[r][d] = qr[d] * c->scale; acc[r][d] = 0.0f; }
         m[r] = -FLT_MAX; l[r] = 0.0f;
+        pos[r] = context + x.token;
+        kvh[r] = h < 0 ? x.head / c->group : 0;          /* its head among the fetched ones */
     }
-    int last = context + (r1 - 1) / G;                   /* the last row's position: keys 0..last */
+    int last = context + row_of(c, h, r1 - 1).token;    /* the last row's position: keys 0..last */
     for (int j = 0; j <= last / bs; j++) {               /* the table walk, one block at a time */
         int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
-        const float *kp, *vp; int64_t ks, vs;
-        if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kp, &ks, &vp, &vs)) return 1;
+        const float *kb, *vb; int64_t st[4];
+        if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kb, &vb, st)) return 1;
         for (int r = 0; r < R; r++) {
-            int see = context + (r0 + r) / G + 1 - j * bs;    /* causal: this row's keys in the block */
+            int see = pos[r] + 1 - j * bs;                    /* causal: this row's keys in the block */
             if (see <= 0) continue;
             see = see < n ? see : n;
-            const float *qr = qs[r];
+            const float *qr = qs[r], *kp = kb + kvh[r] * st[1], *vp = vb + kvh[r] * st[3];
+            int64_t ks = st[0];
             int t = 0;
             for (; t + 4 <= see; t += 4) {                    /* scores, four keys at a time */
                 const float *k0 = kp + t * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
@@ -163,51 +182,52 @@ INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D,
                 s[t] = dot;
             }
             float top = m[r], sum = 0.0f;
-            for (int t = 0; t < see; t++) top = s[t] > top ? s[t] : top;
+            for (t = 0; t < see; t++) top = s[t] > top ? s[t] : top;
             #pragma omp simd reduction(+:sum)
-            for (int t = 0; t < see; t++) { s[t] = exp_neg(s[t] - top); sum += s[t]; }
+            for (t = 0; t < see; t++) { s[t] = exp_neg(s[t] - top); sum += s[t]; }
             float fix = exp_neg(m[r] - top);                  /* online softmax: rescale what came before */
             l[r] = l[r] * fix + sum;
             m[r] = top;
-            add_pv(acc[r], fix, s, 1, see, vp, vs, D);
+            add_pv(acc[r], fix, s, 1, see, vp, st[2], D);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int d = 0; d < D; d++) c->out[row_at(c, q0, h, r0 + r, D) + d] = acc[r][d] / l[r];
+        for (int d = 0; d < D; d++) c->out[row_at(c, q0, row_of(c, h, r0 + r), D) + d] = acc[r][d] / l[r];
     return 0;
 }
 
-/* A work item of many rows (a prompt chunk's tile), as attend_rows computes it. Its queries transposed
-   once, qT [D, ROWS], each key's scores for every row come from one multiply-add per element of the key,
-   along the rows; s[t][r] holds scores, then probabilities (0 where a row must not see key t). */
+/* A work item of many rows of one KV head h (a prompt chunk's tile), as attend_rows computes them. Its
+   queries transposed once, qT [D, ROWS], each key's scores for every row come from one multiply-add per
+   element of the key, along the rows; s[t][r] holds scores, then probabilities (0 where a row must not
+   see key t). */
 INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
     float acc[ROWS][D], qT[D][ROWS], s[c->block_size][ROWS], m[ROWS], l[ROWS], top[ROWS], sum[ROWS];
-    int see[ROWS], R = r1 - r0, bs = c->block_size, G = c->group, q0 = c->qsl[b];
+    int see[ROWS], R = r1 - r0, bs = c->block_size, q0 = c->qsl[b];
     int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);
     for (int r = 0; r < ROWS; r++) {           /* rows past R: zero queries that see nothing */
-        const float *qr = c->q + row_at(c, q0, h, r0 + (r < R ? r : 0), D);
+        const float *qr = c->q + row_at(c, q0, row_of(c, h, r0 + (r < R ? r : 0)), D);
         for (int d = 0; d < D; d++) { qT[d][r] = r < R ? qr[d] * c->scale : 0.0f; acc[r][d] = 0.0f; }
         m[r] = -FLT_MAX; l[r] = 0.0f;
     }
-    int last = context + (r1 - 1) / G;
+    int last = context + row_of(c, h, r1 - 1).token;
     for (int j = 0; j <= last / bs; j++) {
         int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
-        const float *kp, *vp; int64_t ks, vs;
-        if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kp, &ks, &vp, &vs)) return 1;
+        const float *kp, *vp; int64_t st[4];
+        if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kp, &vp, st)) return 1;
         for (int r = 0; r < ROWS; r++) {
-            int v = r < R ? context + (r0 + r) / G + 1 - j * bs : 0;
+            int v = r < R ? context + row_of(c, h, r0 + r).token + 1 - j * bs : 0;
             see[r] = v < 0 ? 0 : v > n ? n : v;
             top[r] = m[r]; sum[r] = 0.0f;
         }
         for (int t = 0; t < n; t++) {                         /* scores: key t against every row */
-            float st[ROWS] = {0};
+            float sc[ROWS] = {0};
             for (int d = 0; d < D; d++)
                 #pragma omp simd
-                for (int r = 0; r < ROWS; r++) st[r] += qT[d][r] * kp[t * ks + d];
+                for (int r = 0; r < ROWS; r++) sc[r] += qT[d][r] * kp[t * st[0] + d];
             #pragma omp simd
             for (int r = 0; r < ROWS; r++) {
-                s[t][r] = st[r];
-                top[r] = t < see[r] && st[r] > top[r] ? st[r] : top[r];
+                s[t][r] = sc[r];
+                top[r] = t < see[r] && sc[r] > top[r] ? sc[r] : top[r];
             }
         }
         for (int t = 0; t < n; t++)                           /* probabilities: exactly 0 past a row's see */
@@ -220,17 +240,17 @@ INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D,
             float fix = exp_neg(m[r] - top[r]);
             l[r] = l[r] * fix + sum[r];
             m[r] = top[r];
-            add_pv(acc[r], fix, &s[0][r], ROWS, see[r], vp, vs, D);
+            add_pv(acc[r], fix, &s[0][r], ROWS, see[r], vp, st[2], D);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int d = 0; d < D; d++) c->out[row_at(c, q0, h, r0 + r, D) + d] = acc[r][d] / l[r];
+        for (int d = 0; d < D; d++) c->out[row_at(c, q0, row_of(c, h, r0 + r), D) + d] = acc[r][d] / l[r];
     return 0;
 }
 
 /* Either loop, compiled once per common head_dim and once for any other (up to 256) */
 INLINE int attend_item(const Call *c, int b, int h, int r0, int r1, const int D, float *kb, float *vb) {
-    if (r1 - r0 > ROWS / 2) return attend_tile(c, b, h, r0, r1, D, kb, vb);
+    if (h >= 0 && r1 - r0 > ROWS / 2) return attend_tile(c, b, h, r0, r1, D, kb, vb);
     return attend_rows(c, b, h, r0, r1, D, kb, vb);
 }
 typedef int (*Item)(const Call *, int, int, int, int, int, float *, float *);
@@ -243,15 +263,18 @@ static int item_any(const Call *c, int b, int h, int r0, int r1, int dim, float 
     return attend_item(c, b, h, r0, r1, dim, kb, vb);
 }
 
-/* The work items in order: sequence by sequence, for each its KV heads, for each its tiles of ROWS rows.
-   first[b] is sequence b's first item; returns the count. */
-static int64_t plan_items(const int32_t *qsl, int batch, int kv_heads, int group, int64_t *first) {
-    first[0] = 0;
-    for (int b = 0; b < batch; b++) {
-        int64_t rows = (int64_t)(qsl[b + 1] - qsl[b]) * group;
-        first[b + 1] = first[b] + kv_heads * ((rows + ROWS - 1) / ROWS);
-    }
-    return first[batch];
+/* How sequence b is cut into work items: a sequence with few rows per KV head (a decode's group) into
+   items of every head (whole blocks read in memory order), tiles of ROWS rows; any other into items of one
+   KV head, tiles of ROWS rows each. Sets the item's KV head (-1: every head) and rows, given its index i
+   among the sequence's items; returns the sequence's item count. */
+INLINE int64_t cut(const Call *c, int b, int64_t i, int *h, int *r0, int *r1) {
+    int64_t rows = (int64_t)(c->qsl[b + 1] - c->qsl[b]) * c->group;  /* per KV head */
+    int every = rows <= ROWS / 2;
+    int64_t width = every ? rows * c->kv_heads : rows, tiles = (width + ROWS - 1) / ROWS;
+    *h = every ? -1 : (int)(i / tiles);
+    *r0 = (int)(i % tiles) * ROWS;
+    *r1 = *r0 + ROWS < width ? *r0 + ROWS : (int)width;
+    return every ? tiles : tiles * c->kv_heads;
 }
 
 /* Attention for every query row of a step: q [T, q_heads, head_dim] float32 (pagedlib's varlen layout,
@@ -262,25 +285,23 @@ int paged_attention_varlen_cpu(const float *q, float *out, const Pool *k, const 
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                                const int32_t *qsl, int batch, int q_heads, int kv_heads, int head_dim,
                                int block_size, int num_blocks, float scale, int threads) {
-    Call c = { q, out, *k, *v, tables, table_stride, seq_lens, qsl, q_heads, q_heads / kv_heads,
+    Call c = { q, out, *k, *v, tables, table_stride, seq_lens, qsl, q_heads, kv_heads, q_heads / kv_heads,
                block_size, num_blocks, scale };
     Item item = head_dim == 32 ? item_32 : head_dim == 64 ? item_64 : head_dim == 128 ? item_128 : item_any;
-    int64_t *first = malloc(sizeof(int64_t) * (batch + 1));
+    int64_t *first = malloc(sizeof(int64_t) * (batch + 1));       /* sequence b's first work item */
     if (!first) return -1;
-    int64_t items = plan_items(qsl, batch, kv_heads, c.group, first);
+    first[0] = 0;
+    for (int b = 0; b < batch; b++) { int h, r0, r1; first[b + 1] = first[b] + cut(&c, b, 0, &h, &r0, &r1); }
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *buf = malloc(sizeof(float) * 2 * block_size * head_dim);  /* one block's widened K and V */
+        float *buf = malloc(sizeof(float) * 2 * block_size * kv_heads * head_dim);  /* widened K and V */
         #pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < items; i++) {
-            int lo = 0, hi = batch - 1;                 /* the sequence whose items hold item i */
-            while (lo < hi) { int mid = (lo + hi + 1) / 2; if (first[mid] <= i) lo = mid; else hi = mid - 1; }
-            int64_t tiles = (first[lo + 1] - first[lo]) / kv_heads, within = i - first[lo];
-            int all = (qsl[lo + 1] - qsl[lo]) * c.group, r0 = (int)(within % tiles) * ROWS;
-            int r1 = r0 + ROWS < all ? r0 + ROWS : all, err = -1;
-            if (buf) err = item(&c, lo, (int)(within / tiles), r0, r1, head_dim, buf,
-                                buf + (int64_t)block_size * head_dim);
+        for (int64_t i = 0; i < first[batch]; i++) {
+            int b = 0, hi = batch - 1, h, r0, r1, err = -1;  /* the sequence whose items hold item i */
+            while (b < hi) { int mid = (b + hi + 1) / 2; if (first[mid] <= i) b = mid; else hi = mid - 1; }
+            cut(&c, b, i - first[b], &h, &r0, &r1);
+            if (buf) err = item(&c, b, h, r0, r1, head_dim, buf, buf + (int64_t)block_size * kv_heads * head_dim);
             if (err) {
                 #pragma omp atomic write
                 status = err;

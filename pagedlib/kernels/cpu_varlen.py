@@ -13,6 +13,7 @@ hashes the source, the compiler, the flags and the processor: a changed one buil
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -98,15 +99,29 @@ def _pool(cache: torch.Tensor, scale: float | torch.Tensor) -> tuple[Pool, list[
     """A ``Pool`` for ``cache`` and the tensors it points into (kept alive by the caller until the call
     returns): fp8 bytes read through a table of their 256 values, times the per-head scales."""
     heads = cache.shape[2]
-    keep = [torch.as_tensor(scale, dtype=torch.float32).expand(heads).contiguous()]   # [kv_heads]
+    if isinstance(scale, torch.Tensor):
+        scales = scale.to(torch.float32).expand(heads).contiguous()           # [kv_heads]
+    else:
+        scales = _constant(float(scale), heads)
     kind, data, table = KINDS.get(cache.dtype, 3), cache, None
     if cache.dtype in FP8_DTYPES:
-        data = cache.view(torch.uint8)
-        keep.append(torch.arange(256, dtype=torch.uint8).view(cache.dtype).float())  # [256]: each byte
-        table = keep[-1].data_ptr()
+        data, table = cache.view(torch.uint8), _byte_values(cache.dtype)
     stride = data.stride()
-    pool = Pool(data.data_ptr(), stride[0], stride[1], stride[2], kind, table, keep[0].data_ptr())
-    return pool, keep
+    pool = Pool(data.data_ptr(), stride[0], stride[1], stride[2], kind,
+                None if table is None else table.data_ptr(), scales.data_ptr())
+    return pool, [scales]
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, heads: int) -> torch.Tensor:
+    """float32 ``[heads]`` of ``value`` (a scale given as a number), made once (never written)."""
+    return torch.full((heads,), value, dtype=torch.float32)
+
+
+@functools.cache
+def _byte_values(dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``[256]``: the value each byte of an fp8 ``dtype`` stands for (NaN codes included)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
 
 
 def load_kernel():
