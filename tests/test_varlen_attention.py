@@ -174,8 +174,11 @@ def test_attention_benchmark_times_mixed_steps(tmp_path):
             "--json", str(path)]
     assert main(argv) == 0
     mixed = json.loads(path.read_text())["mixed"]
+    fused = ("pagedlib-fused",) if DEVICE == "cpu" else ()           # the fused CPU kernel: on a CPU
     assert [(r["impl"], r["chunk"]) for r in mixed] == [(i, c) for c in (5, 24) for i in
-                                                         ("varlen", "split", "contiguous")]
+                                                         ("varlen", "split", *fused, "contiguous")]
+    tables = json.loads(path.read_text())
+    assert set(fused) <= {r["impl"] for r in tables["decode"]} & {r["impl"] for r in tables["prefill"]}
     for r in mixed:  # GB/s: every cached token once; speedup: contiguous time / time, at the same chunk
         base = next(b for b in mixed if b["impl"] == "contiguous" and b["chunk"] == r["chunk"])
         assert r["speedup vs SDPA (x faster)"] == pytest.approx(base["ms"] / r["ms"])

@@ -1,5 +1,6 @@
 """``bench attention``'s vLLM table: vLLM's fused CPU kernel, timed in a process of its own beside pagedlib's
-paths on the same pool contents, and checked against the float64 oracle."""
+paths (its own fused CPU kernel among them) on the same pool contents, both fused kernels checked against
+the float64 oracle."""
 
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ def test_the_vllm_table_stands_beside_the_others_and_equals_the_oracle(tmp_path,
     assert points == {(1, 40), (1, 100), (3, 40), (3, 100)}
     for point in points:
         impls = [r["impl"] for r in rows if (r["batch"], r["context"]) == point]
-        assert impls == ["vllm-fused", "paged", "contiguous", "copy"]
-    fused = [r for r in rows if r["impl"] == "vllm-fused"]
-    assert all(r["same_output"] and r["max_abs_error"] < 1e-5 for r in fused)
-    assert all(r["block_size"] == 32 and r["vllm"] == "0.32.0" and r["isa"] for r in fused)  # 16 -> 32
+        assert impls == ["vllm-fused", "pagedlib-fused", "paged", "contiguous", "copy"]
+    fused = [r for r in rows if r["impl"] in ("vllm-fused", "pagedlib-fused")]
+    assert len(fused) == 8 and all(r["same_output"] and r["max_abs_error"] < 1e-5 for r in fused)
+    assert all(r["block_size"] == 32 and r["vllm"] == "0.32.0" for r in fused)  # 16 -> 32
+    assert all(r["isa"] for r in fused if r["impl"] == "vllm-fused")
     assert all(r["ms"] > 0 and r["samples"] == 2 for r in rows)
     # vLLM ran in its own process: this one never imported it, and Triton's mode is as it was
     assert "vllm" not in sys.modules and os.environ.get("TRITON_INTERPRET") == interpret

@@ -7,7 +7,9 @@ read (``kernels.attention.kv_bytes``: every cached token once) divided by that t
 (x faster)`` is contiguous SDPA's time divided by the row's (> 1: faster).
 
 Decode rows: ``reference`` (the per-token loop), ``paged`` (``paged_attention`` with its default chunks),
-``paged-whole-batch`` (the whole batch in one chunk, ``chunk_bytes=math.inf``) and ``contiguous``. The
+``paged-whole-batch`` (the whole batch in one chunk, ``chunk_bytes=math.inf``), ``pagedlib-fused`` (on a
+CPU where a C compiler builds it: pagedlib's fused CPU kernel, ``kernels/cpu_varlen.c``, reading the blocks
+in place; in the prefill and mixed tables too) and ``contiguous``. The
 paged pool is fragmented on purpose: blocks are handed out in a random order, as in a server that has
 been running for a while, so a sequence's blocks are scattered over the pool.
 
@@ -19,10 +21,10 @@ calls (the chunk with a causal mask aligned to its last positions).
 
 vLLM rows (``--vllm-batches``, ``--vllm-contexts``; ``--no-vllm`` leaves them out): vLLM 0.32.0's fused CPU
 paged-attention kernel on the same pool contents, at a block size its CPU backend takes (a multiple of 32),
-timed in a process of its own (``bench/vllm_attention.py``) beside ``paged``, ``contiguous`` and ``copy`` (a
-plain copy of the contiguous K and V: those bytes read and written once, the memory's own pace), so each
-ratio is measured side by side; ``same_output``: vLLM's result equals the float64 oracle (max abs error at
-most 1e-5 in fp32).
+timed in a process of its own (``bench/vllm_attention.py``) beside ``pagedlib-fused``, ``paged``,
+``contiguous`` and ``copy`` (a plain copy of the contiguous K and V: those bytes read and written once, the
+memory's own pace), so each ratio is measured side by side; ``same_output``: each fused kernel's result
+equals the float64 oracle (max abs error at most 1e-5 in fp32).
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ from pagedlib.kernels.attention import (
     reference_paged_attention,
     sliding_window_mask,
 )
+from pagedlib.kernels.cpu_varlen import attend_cpu, cpu_kernel_available
 from pagedlib.kernels.varlen import paged_attention_varlen
 from pagedlib.util import ceil_div
 
 SPEEDUP = "speedup vs SDPA (x faster)"  # contiguous SDPA's time / the row's time, at the same point
 COLUMNS = ["phase", "impl", "batch", "context", "block_size", "ms", "GB/s", SPEEDUP, "spread"]
 MIXED_COLUMNS = ["impl", "batch", "context", "chunk", "ms", "GB/s", SPEEDUP, "spread"]
-DECODE_IMPLS = ("reference", "paged", "paged-whole-batch", "contiguous")
+DECODE_IMPLS = ("reference", "paged", "paged-whole-batch", "pagedlib-fused", "contiguous")
+FUSED = "pagedlib-fused"  # pagedlib's fused CPU kernel (attention="cpu")
 VLLM_COLUMNS = COLUMNS + ["max_abs_error", "same_output"]
 VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32.0's CPU backend takes
 
@@ -144,6 +148,23 @@ def _rows(cfg: AttentionConfig, phase: str, timings: dict[str, Timing], nbytes: 
             for impl, t in timings.items()]
 
 
+def one_token_each(cfg: AttentionConfig) -> torch.Tensor:
+    """``query_start_loc`` of a decode step: one new token per sequence."""
+    return torch.arange(cfg.batch + 1, dtype=torch.int32, device=cfg.device)
+
+
+def fused_call(cfg: AttentionConfig, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               tables: torch.Tensor, lens: torch.Tensor, qsl: torch.Tensor) -> Callable[[], Any] | None:
+    """pagedlib's fused CPU kernel on these varlen arguments, its checks made once here, not timed (as the
+    engine calls it); ``None`` off the CPU or where no C compiler builds it."""
+    if cfg.device != "cpu" or not cpu_kernel_available()[0]:
+        return None
+    from pagedlib.kernels.cpu_varlen import paged_attention_varlen_cpu
+
+    paged_attention_varlen_cpu(q, k_cache, v_cache, tables, lens, qsl)       # checks the arguments
+    return lambda: attend_cpu(q, k_cache, v_cache, tables, lens, qsl, cfg.head_dim ** -0.5)
+
+
 def decode_rows(cfg: AttentionConfig, impls: tuple[str, ...] = DECODE_IMPLS, repeats: int = 20) -> list[dict]:
     """Time one decode step (one layer) of ``cfg.batch`` sequences with each implementation in ``impls``
     (``contiguous`` is always timed: it is the baseline of ``SPEEDUP``)."""
@@ -156,8 +177,9 @@ def decode_rows(cfg: AttentionConfig, impls: tuple[str, ...] = DECODE_IMPLS, rep
         "paged": lambda: paged_attention(*args),
         "paged-whole-batch": lambda: paged_attention(*args, chunk_bytes=math.inf),
         "contiguous": lambda: contiguous_attention(x["q"][:, :, None], x["k"], x["v"]),
+        FUSED: fused_call(cfg, x["q"], *layer, x["tables"], x["lens"], one_token_each(cfg)),
     }
-    impls = tuple(dict.fromkeys((*impls, "contiguous")))
+    impls = tuple(dict.fromkeys(i for i in (*impls, "contiguous") if fns[i] is not None))
     limits = {impl: max(3, repeats // 4) if impl == "reference" else repeats for impl in impls}
     timings = time_interleaved({impl: fns[impl] for impl in impls}, limits, cfg.device)
     return _rows(cfg, "decode", timings, kv_bytes(x["lens"], cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]))
@@ -170,8 +192,11 @@ def prefill_rows(cfg: AttentionConfig, repeats: int = 10) -> list[dict[str, Any]
     x = make_inputs(cfg)
     g = torch.Generator().manual_seed(1)
     qp = torch.randn(cfg.context, cfg.q_heads, cfg.head_dim, generator=g).to(cfg.device, DTYPES[cfg.dtype])
+    qsl = torch.tensor([0, cfg.context], dtype=torch.int32, device=cfg.device)
     fns = {"paged": lambda: paged_prefill_attention(qp, *x["cache"].layer(0), x["tables"][0], cfg.context),
+           FUSED: fused_call(cfg, qp, *x["cache"].layer(0), x["tables"], x["lens"], qsl),
            "contiguous": lambda: contiguous_attention(qp.transpose(0, 1)[None], x["k"], x["v"], causal=True)}
+    fns = {name: fn for name, fn in fns.items() if fn is not None}
     timings = time_interleaved(fns, dict.fromkeys(fns, repeats), cfg.device)
     return _rows(cfg, "prefill", timings, kv_bytes(x["lens"], cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]))
 
@@ -198,7 +223,8 @@ def mixed_rows(cfg: AttentionConfig, chunk: int, repeats: int = 10) -> list[dict
         torch.nn.functional.scaled_dot_product_attention(qc, k[d:], v[d:], attn_mask=mask, enable_gqa=True)
 
     fns = {"varlen": lambda: paged_attention_varlen(q, k_cache, v_cache, tables, lens, qsl), "split": split,
-           "contiguous": contiguous}
+           FUSED: fused_call(cfg, q, k_cache, v_cache, tables, lens, qsl), "contiguous": contiguous}
+    fns = {name: fn for name, fn in fns.items() if fn is not None}
     timings = time_interleaved(fns, dict.fromkeys(fns, repeats), cfg.device)
     rows = _rows(cfg, "mixed", timings, kv_bytes(lens, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]))
     return [{**r, "chunk": chunk} for r in rows]
@@ -350,8 +376,9 @@ def main(args: argparse.Namespace) -> int:
     titles = {"decode": "decode (one layer)", "prefill": "prefill (causal, one prompt)",
               "mixed": "mixed step (one layer): batch - 1 decodes + one prefill chunk",
               "block_size_sweep": "decode vs block size", "context_sweep": "decode vs context",
-              "vllm": "decode (one layer) in vLLM's process: its fused CPU kernel, pagedlib's paged path, "
-                      "SDPA, a copy of K and V; same_output: vLLM's equals the float64 oracle"}
+              "vllm": "decode (one layer) in vLLM's process: its fused CPU kernel, pagedlib's fused CPU "
+                      "kernel and gather path, SDPA, a copy of K and V; same_output: a fused kernel's result "
+                      "equals the float64 oracle"}
     columns = {"mixed": MIXED_COLUMNS, "vllm": VLLM_COLUMNS}
     for name in [n for n in titles if n in result]:
         print_table(result[name], columns.get(name, COLUMNS), title=titles[name])

@@ -10,10 +10,10 @@ writes every sequence's K/V once into vLLM 0.32.0's CPU layout (untimed): the pe
 kv_heads, block_size, 2 * head_dim]`` seen as ``[num_blocks, kv_heads, 2 * block_size, head_dim]`` and cut
 into K and V halves on that dimension, filled by ``cpu_attn_reshape_and_cache``, whose inner order depends on
 the ISA (``vllm/v1/attention/backends/cpu_attn.py``). It then times, interleaved in this one process,
-``cpu_attention_with_kv_cache`` (``vllm-fused``), pagedlib's ``paged_attention``, contiguous SDPA and a plain
-copy of the contiguous K and V (``copy``: those bytes read once and written once, the memory's own pace;
-its GB/s counts the bytes read, as every row's does), and checks vLLM's output
-against the float64 oracle."""
+``cpu_attention_with_kv_cache`` (``vllm-fused``), pagedlib's fused CPU kernel (``pagedlib-fused``, on
+pagedlib's own pool), its ``paged_attention``, contiguous SDPA and a plain copy of the contiguous K and V
+(``copy``: those bytes read once and written once, the memory's own pace; its GB/s counts the bytes read, as
+every row's does), and checks both fused kernels' outputs against the float64 oracle."""
 
 from __future__ import annotations
 
@@ -25,9 +25,12 @@ from typing import Any
 import torch
 
 from pagedlib.bench.attention import (
+    FUSED,
     AttentionConfig,
     _rows,
+    fused_call,
     make_inputs,
+    one_token_each,
     time_interleaved,
 )
 from pagedlib.bench.timing import DTYPES
@@ -87,16 +90,21 @@ def point_rows(cfg: AttentionConfig, repeats: int) -> list[dict[str, Any]]:
 
     layer = x["cache"].layer(0)
     copies = torch.empty_like(x["k"]), torch.empty_like(x["v"])  # allocated once: no page faults timed
-    fns = {"vllm-fused": fused,
+    ours = fused_call(cfg, q, *layer, tables, lens, one_token_each(cfg))
+    fns = {"vllm-fused": fused, **({FUSED: ours} if ours else {}),
            "paged": lambda: paged_attention(q, *layer, tables, lens),
            "contiguous": lambda: contiguous_attention(q[:, :, None], x["k"], x["v"]),
            "copy": lambda: (copies[0].copy_(x["k"]), copies[1].copy_(x["v"]))}
     timings = time_interleaved(fns, dict.fromkeys(fns, repeats), cfg.device)
-    error = max_error(fused(), q, x["k"], x["v"])
+    errors = {name: max_error(fns[name]().clone(), q, x["k"], x["v"]) for name in ("vllm-fused", FUSED)
+              if name in fns}
     rows = _rows(cfg, "decode", timings, kv_bytes(lens, cfg.kv_heads, cfg.head_dim, dtype))
     for row in rows:
+        if row["impl"] in errors:
+            error = errors[row["impl"]]
+            row.update(max_abs_error=error, same_output=error <= TOLERANCE[cfg.dtype])
         if row["impl"] == "vllm-fused":
-            row.update(isa=isa, max_abs_error=error, same_output=error <= TOLERANCE[cfg.dtype])
+            row["isa"] = isa
     return rows
 
 
