@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedlib import checks, loader
 from pagedlib.core.cache import Batch, PagedKVCache, padded_tables
-from pagedlib.kernels.cpu_gemm import PackedLinear
+from pagedlib.kernels.cpu_gemm import PackedLinear, project
 from pagedlib.kernels.varlen import Step
 
 
@@ -93,10 +93,11 @@ class Attention(nn.Module):
                 cache: PagedKVCache) -> torch.Tensor:
         """``x``: ``[T, hidden]`` -> ``[T, hidden]``."""
         T = x.shape[0]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)       # one product if packed
         # the projections' heads: -1 is Hq for q, Hkv for k and v
-        q = self.q_proj(x).view(T, -1, self.head_dim)                      # [T, Hq, D]
-        k = self.k_proj(x).view(T, -1, self.head_dim)                      # [T, Hkv, D]
-        v = self.v_proj(x).view(T, -1, self.head_dim)                      # [T, Hkv, D]
+        q = q.view(T, -1, self.head_dim)                                   # [T, Hq, D]
+        k = k.view(T, -1, self.head_dim)                                   # [T, Hkv, D]
+        v = v.view(T, -1, self.head_dim)                                   # [T, Hkv, D]
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
         k_pool, v_pool = cache.layer(self.layer)              # [num_blocks, block_size, Hkv, D]
@@ -117,7 +118,8 @@ class MLP(nn.Module):
         self.down_proj = PackedLinear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)               # one product if packed
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -161,3 +161,35 @@ def test_shown_source_is_public_and_short():
         if n > (MAX_KERNEL if jit else MAX_SHOWN):
             problems.append(f"{notebook}: show_source({expr}) shows {n} lines")
     assert not problems, "\n".join(problems)
+
+
+def test_shown_c_functions_exist_and_are_kernel_sized():
+    """Every ``show_c_source(path, "name")`` a notebook makes names a function of the CPU kernel's source,
+    at most ``MAX_KERNEL`` lines without its opening comment."""
+    import ast
+
+    from pagedlib.kernels.cpu_varlen import SOURCE
+    from pagedlib.teach.notebook import c_function
+
+    shown = []
+    for nb in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in json.loads(nb.read_text())["cells"]:
+            code = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
+            for node in ast.walk(ast.parse(code)) if code and not code.lstrip().startswith("%") else ():
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "show_c_source":
+                    shown.append((nb.name, ast.literal_eval(node.args[1])))
+    assert shown, "no notebook shows the CPU kernel's C source"
+    for notebook, name in shown:
+        lines = c_function(SOURCE.read_text(), name).splitlines()
+        body = lines[next(i for i, line in enumerate(lines) if not line.startswith(("/*", "   "))):]
+        assert len(body) <= MAX_KERNEL, f"{notebook}: {name} has {len(body)} lines"
+
+
+def test_a_c_function_is_found_with_its_comment_and_a_missing_one_is_an_error():
+    from pagedlib.teach.notebook import c_function
+
+    source = ("int x;\n\n/* adds\n   two */\nstatic int add(int a,\n               int b) {\n"
+              "    return a + b;\n}\n")
+    assert c_function(source, "add") == source[source.index("/*"):]
+    with pytest.raises(ValueError, match="no definition of sub"):
+        c_function(source, "sub")

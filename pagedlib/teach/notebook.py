@@ -39,3 +39,38 @@ def elide_block(code: str, start: str, label: str) -> str:
                 end += 1
             return "\n".join([*lines[:i], " " * indent + f"# ... {label}", *lines[end:]]) + "\n"
     raise ValueError(f"no line of the source starts with {start!r}")
+
+
+def c_function(source: str, name: str) -> str:
+    """The definition of C function ``name`` in ``source``, with the comment block just above it: from its
+    first line that opens a definition (``... name(`` at the start of a line) to the ``}`` that closes it
+    at the start of a line. ``ValueError`` if no definition of ``name`` is there."""
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
+        if not line[:1].isspace() and f" {name}(" in line and not line.rstrip().endswith(";"):
+            first = i
+            above = lines[first - 1].rstrip() if first else ""
+            while above and not above.endswith(("}", ";")):  # the comment that opens the definition
+                first -= 1
+                above = lines[first - 1].rstrip() if first else ""
+            last = next(j for j in range(i, len(lines)) if lines[j].startswith("}"))
+            return "\n".join(lines[first:last + 1]) + "\n"
+    raise ValueError(f"no definition of {name} in the C source")
+
+
+def show_c_source(path: Any, name: str) -> Any:
+    """Display the highlighted C function ``name`` of the file ``path`` (the CPU kernel, ``cpu_varlen.c``),
+    its comment included, the way ``show_source`` shows Python."""
+    from pathlib import Path
+
+    from IPython.display import HTML
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import CLexer
+
+    path = Path(path)
+    code = c_function(path.read_text(), name)
+    body = highlight(code, CLexer(), HtmlFormatter(noclasses=True, style="default", nobackground=True))
+    caption = f"<div style='font-size:85%;color:#666'>source: <code>pagedlib/kernels/{path.name}</code>, " \
+              f"<code>{name}</code></div>"
+    return HTML(f"<div>{caption}{body}</div>")
