@@ -25,7 +25,7 @@ LINE_COLORS = {**dict.fromkeys(["append_batch", "append_tokens", "paged"], OWNER
                **dict.fromkeys(["append_token", "reference", "reserve-max"], OWNER_COLORS[3]),
                **dict.fromkeys(["copy_", "triton", "reserve-oracle"], OWNER_COLORS[2]),
                "reserve-pow2": OWNER_COLORS[1], "paged-whole-batch": OWNER_COLORS[4], "contiguous": "#333333",
-               "vllm-fused": OWNER_COLORS[1], "copy": "#999999"}
+               "vllm-fused": OWNER_COLORS[1], "pagedlib-fused": OWNER_COLORS[2], "copy": "#999999"}
 WASTE_COLORS = {"token": OWNER_COLORS[2], "reservation": "#E8C547", "internal": OWNER_COLORS[3],
                 "external": OWNER_COLORS[4], "other": "#C3B5E0", "unattributed": "#BBBBBB"}
 WASTE_LABELS = {"token": "token states", "reservation": "reservation (future tokens)",
@@ -269,6 +269,7 @@ def plot_fused_vs_gather(runs: list[list[dict]], title: str = "") -> Figure:
 
 SPEEDUP_KEY = "speedup vs SDPA (x faster)"  # bench.attention.SPEEDUP (teach does not import bench)
 FUSED_LABELS = {"vllm-fused": "vLLM's fused CPU kernel (reads the blocks in place)",
+                "pagedlib-fused": "pagedlib's fused CPU kernel (reads the blocks in place)",
                 "paged": "pagedlib's gather path (copies the blocks, then attends)",
                 "contiguous": "SDPA on contiguous K/V (the baseline, 1x)",
                 "copy": "a plain copy of K and V (memory's pace)"}
