@@ -124,14 +124,17 @@ def check_attention(attention: object, block_size: int = 1, head_dim: int = 1,
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if attention == "cpu":
-        from pagedlib.kernels.cpu_varlen import MAX_HEAD_DIM, cpu_kernel_available  # builds on first use
+        from pagedlib.kernels import cpu_varlen  # builds the kernel on first use
 
         if torch.device(device).type != "cpu":
             raise ValueError(f"attention='cpu' runs on the CPU; the model is on {device}")
-        if head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for the CPU kernel, the model has "
-                             f"{head_dim}")
-        available, why = cpu_kernel_available()
+        limit = cpu_varlen.MAX_CPU_BLOCK_SIZE
+        if block_size > limit:
+            raise ValueError(f"block_size must be at most {limit} for the CPU kernel, got {block_size}")
+        if head_dim > cpu_varlen.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be at most {cpu_varlen.MAX_HEAD_DIM} for the CPU kernel, the "
+                             f"model has {head_dim}")
+        available, why = cpu_varlen.cpu_kernel_available()
         if not available:
             raise RuntimeError(why)
     if attention != "triton":

@@ -160,3 +160,17 @@ def test_without_a_working_compiler_the_engine_refuses_cpu_attention_by_name(tmp
     assert "RuntimeError: attention='cpu' " in done.stderr and message in done.stderr, done.stderr[-2000:]
     assert "attention='torch' needs none" in done.stderr or cc == "false"
     assert not list(tmp_path.glob("*.so"))                      # nothing half-built is left behind
+
+
+def test_a_block_size_beyond_the_kernels_stack_is_refused_by_the_engine_and_the_kernel():
+    from helpers import tiny_hf_model
+
+    from pagedlib.engine import Engine
+
+    with pytest.raises(ValueError, match="block_size must be at most 1024 for the CPU kernel, got 2048"):
+        Engine.from_hf(tiny_hf_model(), 4, 2048, attention="cpu")
+    big = torch.zeros(1, 1025, 2, 16)                           # one block of 1,025 slots
+    args = (torch.zeros(2, 4, 16), big, big, torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([7], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_size must be at most 1024 for the CPU kernel, got 1025"):
+        paged_attention_varlen_cpu(*args)

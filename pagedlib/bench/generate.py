@@ -302,9 +302,11 @@ def all_methods(stack: Any, hf: Any, prompts: list[list[int]], args: argparse.Na
     if device == "cuda":
         methods["engine_triton"] = lambda: run_engine(model, hf, prompts, args, "triton")
     else:
-        from pagedlib.kernels.cpu_varlen import cpu_kernel_available
+        from pagedlib.kernels.cpu_varlen import MAX_CPU_BLOCK_SIZE, cpu_kernel_available
 
         available, why = cpu_kernel_available()
+        if args.block_size > MAX_CPU_BLOCK_SIZE:
+            available, why = False, f"the CPU kernel takes blocks of at most {MAX_CPU_BLOCK_SIZE} tokens"
         if available and args.dtype == "float32":  # packed for oneDNN: float32 only
             fast = PagedLlama.from_hf(hf).pack_weights()
             methods["engine_cpu"] = lambda: run_engine(fast, hf, prompts, args, "cpu",

@@ -15,6 +15,7 @@ from pagedlib.util import as_int
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the Triton kernel's limits
+MAX_CPU_BLOCK_SIZE = 1024  # the CPU kernel keeps a block's scores on its stack: 64 KiB at most
 MAX_BLOCK_SIZE = 128
 MAX_SPLITS = 64
 PAGED_ARGS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens")
@@ -247,11 +248,15 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The fused CPU kernel's limits: checked tensors on the CPU, ``head_dim`` at most ``MAX_HEAD_DIM``,
+    ``block_size`` at most ``MAX_CPU_BLOCK_SIZE``,
     each cache's ``head_dim`` contiguous (a pool's per-layer view is)."""
     if q.device.type != "cpu":
         raise ValueError(f"the CPU kernel takes tensors on the CPU, got q on {q.device}")
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for the CPU kernel, got {q.shape[2]}")
+    if k_cache.shape[1] > MAX_CPU_BLOCK_SIZE:
+        raise ValueError(f"block_size must be at most {MAX_CPU_BLOCK_SIZE} for the CPU kernel, got "
+                         f"{k_cache.shape[1]}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(3) != 1:
             raise ValueError(f"{name}'s head_dim must be contiguous (stride 1) for the CPU kernel, got "

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from pagedlib.core.fp8 import FP8_DTYPES
-from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # re-exported: checks.py reads it
+from pagedlib.kernels._checks import MAX_CPU_BLOCK_SIZE as MAX_CPU_BLOCK_SIZE  # re-exported: checks.py
+from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # reads them
 from pagedlib.kernels._checks import check_cpu_inputs, check_scales, check_varlen_inputs
 from pagedlib.kernels.attention import softmax_scale
 
@@ -127,13 +128,14 @@ def _byte_values(dtype: torch.dtype) -> torch.Tensor:
 def load_kernel():
     """The kernel's entry point, built (or found in the cache folder) and loaded on first use."""
     with _lock:
+        if "error" in _kernel:       # tried and failed in this process: said once, not compiled again
+            raise RuntimeError(_kernel["error"])
         if "function" not in _kernel:
-            path = build()
             try:
-                lib = ctypes.CDLL(str(path))
-            except OSError:  # a damaged file in the cache folder: built again, once
-                path.unlink(missing_ok=True)
-                lib = ctypes.CDLL(str(build()))
+                lib = _load()
+            except RuntimeError as error:
+                _kernel["error"] = str(error)
+                raise
             fn = lib.paged_attention_varlen_cpu
             i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
             fn.argtypes = [ptr, ptr, ctypes.POINTER(Pool), ctypes.POINTER(Pool), ptr, i64, ptr, ptr,
@@ -141,6 +143,19 @@ def load_kernel():
             fn.restype = ctypes.c_int
             _kernel["function"] = fn
         return _kernel["function"]
+
+
+def _load() -> ctypes.CDLL:
+    """The built library, loaded; a damaged file in the cache folder is built again, once."""
+    path = build()
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)
+    try:
+        return ctypes.CDLL(str(build()))
+    except OSError as error:
+        raise RuntimeError(f"attention='cpu' built its C kernel but cannot load it: {error}") from None
 
 
 def kernel_info() -> dict[str, object]:
