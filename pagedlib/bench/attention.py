@@ -64,7 +64,7 @@ from pagedlib.kernels.attention import (
     reference_paged_attention,
     sliding_window_mask,
 )
-from pagedlib.kernels.cpu_varlen import attend_cpu, cpu_kernel_available
+from pagedlib.kernels.cpu_varlen import attend_cpu, cpu_kernel_available, paged_attention_varlen_cpu
 from pagedlib.kernels.varlen import paged_attention_varlen
 from pagedlib.util import ceil_div
 
@@ -159,8 +159,6 @@ def fused_call(cfg: AttentionConfig, q: torch.Tensor, k_cache: torch.Tensor, v_c
     engine calls it); ``None`` off the CPU or where no C compiler builds it."""
     if cfg.device != "cpu" or not cpu_kernel_available()[0]:
         return None
-    from pagedlib.kernels.cpu_varlen import paged_attention_varlen_cpu
-
     paged_attention_varlen_cpu(q, k_cache, v_cache, tables, lens, qsl)       # checks the arguments
     return lambda: attend_cpu(q, k_cache, v_cache, tables, lens, qsl, cfg.head_dim ** -0.5)
 

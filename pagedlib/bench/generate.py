@@ -307,12 +307,9 @@ def all_methods(stack: Any, hf: Any, prompts: list[list[int]], args: argparse.Na
         available, why = cpu_kernel_available()
         if args.block_size > MAX_CPU_BLOCK_SIZE:
             available, why = False, f"the CPU kernel takes blocks of at most {MAX_CPU_BLOCK_SIZE} tokens"
-        if available and args.dtype == "float32":  # packed for oneDNN: float32 only
-            fast = PagedLlama.from_hf(hf).pack_weights()
+        if available:  # weights packed for oneDNN: float32 only
+            fast = PagedLlama.from_hf(hf).pack_weights() if args.dtype == "float32" else model
             methods["engine_cpu"] = lambda: run_engine(fast, hf, prompts, args, "cpu",
-                                                       args.max_num_batched_tokens)
-        elif available:
-            methods["engine_cpu"] = lambda: run_engine(model, hf, prompts, args, "cpu",
                                                        args.max_num_batched_tokens)
         else:
             print(f"no engine_cpu row: {why}")

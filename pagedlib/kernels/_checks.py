@@ -248,8 +248,8 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The fused CPU kernel's limits: checked tensors on the CPU, ``head_dim`` at most ``MAX_HEAD_DIM``,
-    ``block_size`` at most ``MAX_CPU_BLOCK_SIZE``,
-    each cache's ``head_dim`` contiguous (a pool's per-layer view is)."""
+    ``block_size`` at most ``MAX_CPU_BLOCK_SIZE``, each cache's ``head_dim`` contiguous (a pool's
+    per-layer view is)."""
     if q.device.type != "cpu":
         raise ValueError(f"the CPU kernel takes tensors on the CPU, got q on {q.device}")
     if q.shape[2] > MAX_HEAD_DIM:

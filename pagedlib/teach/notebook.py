@@ -12,17 +12,24 @@ def show_source(obj: Any, elide: dict[str, str] | None = None) -> Any:
     maps the start of a line that opens a block (``"if self.prefix_cache"``) to a label: that line and the
     block under it are shown as one comment, ``# ... label``, so a chapter can show the path it teaches and
     say where the rest is taught. A start that matches no line is an error (the source changed)."""
+    from pygments.lexers import PythonLexer
+
+    code = textwrap.dedent(inspect.getsource(obj))
+    for start, label in (elide or {}).items():
+        code = elide_block(code, start, label)
+    name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
+    return _highlighted(code, PythonLexer(), f"<code>{name}</code>")
+
+
+def _highlighted(code: str, lexer: Any, source: str) -> Any:
+    """``code`` highlighted by ``lexer`` under a caption naming its ``source`` (HTML), as notebook HTML."""
     from IPython.display import HTML
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
 
-    code = textwrap.dedent(inspect.getsource(obj))  # noclasses: inline styles, so the HTML renders anywhere
-    for start, label in (elide or {}).items():
-        code = elide_block(code, start, label)
-    body = highlight(code, PythonLexer(), HtmlFormatter(noclasses=True, style="default", nobackground=True))
-    name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
-    caption = f"<div style='font-size:85%;color:#666'>source: <code>{name}</code></div>"
+    # noclasses: inline styles, so the HTML renders anywhere
+    body = highlight(code, lexer, HtmlFormatter(noclasses=True, style="default", nobackground=True))
+    caption = f"<div style='font-size:85%;color:#666'>source: {source}</div>"
     return HTML(f"<div>{caption}{body}</div>")
 
 
@@ -63,14 +70,8 @@ def show_c_source(path: Any, name: str) -> Any:
     its comment included, the way ``show_source`` shows Python."""
     from pathlib import Path
 
-    from IPython.display import HTML
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
     from pygments.lexers import CLexer
 
     path = Path(path)
     code = c_function(path.read_text(), name)
-    body = highlight(code, CLexer(), HtmlFormatter(noclasses=True, style="default", nobackground=True))
-    caption = f"<div style='font-size:85%;color:#666'>source: <code>pagedlib/kernels/{path.name}</code>, " \
-              f"<code>{name}</code></div>"
-    return HTML(f"<div>{caption}{body}</div>")
+    return _highlighted(code, CLexer(), f"<code>pagedlib/kernels/{path.name}</code>, <code>{name}</code>")
