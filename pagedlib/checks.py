@@ -163,10 +163,11 @@ def check_generate(engine: Any, prompts: object, max_new_tokens: object) -> int:
 def check_host(config: Any) -> None:
     """An ``EngineConfig``'s host tier settings: a policy and a write mode the tier has, swapping only into
     a tier, a victim tier only beside a prefix cache that evicts."""
-    from pagedlib.core.host_tier import POLICIES, WRITES
+    from pagedlib.kv_transfer.connectors import WRITES
+    from pagedlib.kv_transfer.policies import POLICIES
 
     if config.host_policy not in POLICIES:
-        raise ValueError(f"host_policy must be one of {POLICIES}, got {config.host_policy!r}")
+        raise ValueError(f"host_policy must be one of {tuple(POLICIES)}, got {config.host_policy!r}")
     if config.host_write not in WRITES:
         raise ValueError(f"host_write must be one of {WRITES}, got {config.host_write!r}")
     if config.preemption not in ("recompute", "swap"):

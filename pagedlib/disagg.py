@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedlib.core.connector import StoreConnector
-from pagedlib.core.kv_store import KVStore, model_fingerprint
+from pagedlib.kv_transfer.connectors import StoreConnector
+from pagedlib.kv_transfer.store import KVStore, model_fingerprint
 
 
 def tiny_store(root: str | Path, block_size: int = 32) -> KVStore:

@@ -15,9 +15,10 @@ from pagedlib import checks
 from pagedlib.config import EngineConfig
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.connector import KVConnector, LoadFailed
-from pagedlib.core.host_tier import HostTier
 from pagedlib.core.request import Request
-from pagedlib.core.scheduler import Scheduler
+from pagedlib.core.scheduler import Scheduler, StepPlan
+from pagedlib.kv_transfer.connectors import HostConnector
+from pagedlib.kv_transfer.host_tier import HostTier
 from pagedlib.model import PagedLlama
 from pagedlib.stats import EngineStats
 
@@ -44,6 +45,7 @@ class Engine:
         num_blocks, ...: the settings of ``EngineConfig`` (checked there), kept as ``engine.config``.
         connector: a ``KVConnector`` (notebook 14) the scheduler asks for blocks after the prefix cache's,
             and the step saves its full blocks through: a ``StoreConnector`` shares them with other engines.
+            ``host_blocks`` (notebook 13) builds one of its own instead, a ``HostConnector``.
     """
 
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int = 16,
@@ -54,6 +56,9 @@ class Engine:
         checks.check_engine_model(model, self.config)
         if connector is not None:
             checks.check_instance("connector", connector, KVConnector, "a StoreConnector or HostConnector")
+            if self.config.host_blocks:
+                raise ValueError("a host tier and a connector at once (host_blocks=, connector=): pass the tier as a "
+                                 "HostConnector")
         self.model = model
         self.connector = connector
         self.cache = self._new_cache()
@@ -78,22 +83,23 @@ class Engine:
 
     def _new_scheduler(self) -> Scheduler:
         config = self.config
-        host = None  # the host tier of notebook 13
-        if config.host_blocks:
-            host = HostTier(self.cache.pool, config.host_blocks, config.host_policy, config.host_write)
-        if self.connector is not None:
+        if config.host_blocks:  # notebook 13's host tier: a connector of the engine's own, made afresh
+            tier = HostTier(self.cache.pool, config.host_blocks, config.host_policy)
+            self.connector = HostConnector(tier, config.host_write, swap=config.preemption == "swap")
+        elif self.connector is not None:
             self.connector.reset()  # no request of the last scheduler's is left
         return Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          long_prefill_token_threshold=config.long_prefill_token_threshold,
                          watermark=config.watermark, max_model_len=config.max_model_len,
-                         full_prompt_must_fit=config.full_prompt_must_fit, host=host,
-                         preemption=config.preemption, connector=self.connector)
+                         full_prompt_must_fit=config.full_prompt_must_fit, connector=self.connector)
 
     @property
     def host(self) -> HostTier | None:
         """The host tier (``host_blocks``), or ``None``: its ``stats()`` say what moved."""
-        return self.scheduler.host
+        if self.config.host_blocks:
+            return self.connector.tier
+        return None
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one prompt (checked first); returns its request id for ``output``."""
@@ -148,15 +154,18 @@ class Engine:
                           [request.req_id for request in plan.preempted], finished,
                           {request.req_id: n for request, n in plan.work}, plan.hits)
 
-    def run_plan(self, plan: Any) -> list[int]:
-        """The forward pass of ``plan`` with the copies around it (``step`` runs it as a transaction): the
-        token each row samples."""
+    def run_plan(self, plan: StepPlan) -> list[int]:
+        """Load, forward, save (``step`` runs it as a transaction): the connector's copies into the pool
+        (``LoadFailed`` if a block cannot be had), the forward pass, the connector's saves of the blocks the
+        step filled. The token each row samples."""
+        connector, pool = self.connector, self.cache.pool
+        if connector is not None:
+            connector.start_load_kv(pool, plan.meta)
         if not plan.work:
             return []
-        self.scheduler.load_external(plan)  # a connector's blocks, before the pass reads them (notebook 14)
         logits = self.model.forward(self.cache, plan.batch, self.config.attention)  # [batch, vocab]
-        self.scheduler.store_computed(plan)  # a host tier's copies of the new blocks (notebook 13)
-        self.scheduler.save_external(plan)  # a connector's saves of them (notebook 14)
+        if connector is not None:
+            connector.wait_for_save(pool, plan.meta)
         return logits.argmax(-1).tolist()
 
     def output(self, req_id: int) -> list[int]:

@@ -16,9 +16,8 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0         # recomputed tokens count again
     cached_tokens: int = 0          # found in the prefix cache at admission: attached, not prefilled
-    host_hit_tokens: int = 0        # found in the host tier at admission: copied back, not prefilled
-    swapped_in_tokens: int = 0      # a swapped request's tokens copied back at readmission
-    connector_tokens: int = 0       # loaded through a KV connector at admission (notebook 14)
+    connector_tokens: int = 0       # loaded through the connector at admission: the host tier's hits and
+                                    # swapped blocks (notebook 13), a store's entries (14); not prefilled
     load_failures: int = 0          # steps planned again because a connector's block failed to load
     recomputed_tokens: int = 0      # K/V a recomputing preemption threw away, computed again
     decode_tokens: int = 0
@@ -33,11 +32,9 @@ class EngineStats:
         self.steps += 1
         self.generated_tokens += len(plan.sampling)
         self.prefill_tokens += sum(n for _, n in plan.prefill)
-        self.cached_tokens += plan.cached_tokens
-        self.host_hit_tokens += plan.host_hit_tokens
-        self.swapped_in_tokens += plan.swapped_in_tokens
-        self.connector_tokens += plan.connector_tokens
-        self.recomputed_tokens += plan.recomputed_tokens
+        self.cached_tokens += plan.counts.cached_tokens
+        self.connector_tokens += plan.counts.connector_tokens
+        self.recomputed_tokens += plan.counts.recomputed_tokens
         self.decode_tokens += len(plan.decode)
         self.preemptions += len(plan.preempted)
         self.peak_blocks = max(self.peak_blocks, used_blocks)

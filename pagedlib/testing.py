@@ -285,18 +285,18 @@ def check_host(scheduler: Any) -> None:
     13): every host slot is in exactly one place (free, a cached block's, a swapped request's), the policy
     knows exactly the cached keys, only a preempted request holds swapped slots and they hold its tokens,
     and a cached block's K/V equal (to rounding) a device block the hash prefix cache holds with that key."""
-    host = scheduler.host
+    connector = scheduler.connector
+    host = getattr(connector, "tier", None)  # the host tier is a connector's (HostConnector)
     if host is None:
         return
-    swapped = {req_id: request.swapped for req_id, request in scheduler.requests.items()
-               if request.swapped is not None}
-    _check_host_slots(scheduler, swapped)
-    _check_swapped(scheduler, swapped)
-    _check_host_contents(scheduler)
+    swapped = {req_id: record.slots for req_id, record in connector.swapped.items()}
+    _check_host_slots(scheduler, host, swapped)
+    _check_swapped(scheduler, connector.swapped)
+    _check_host_contents(scheduler, host)
 
 
-def _check_host_slots(scheduler: Any, swapped: dict) -> None:
-    cache = scheduler.host.cache
+def _check_host_slots(scheduler: Any, host: Any, swapped: dict) -> None:
+    cache = host.cache
     places = [("free", slot) for slot in cache.free_slots]
     places += [(f"key {key!r}", slot) for key, slot in cache.slots.items()]
     places += [(f"request {req_id}", slot) for req_id, slots in swapped.items() for slot in slots]
@@ -318,17 +318,17 @@ def _check_host_slots(scheduler: Any, swapped: dict) -> None:
 
 def _check_swapped(scheduler: Any, swapped: dict) -> None:
     block_size = scheduler.block_size
-    for req_id, slots in swapped.items():
-        request = scheduler.requests[req_id]
-        if request.status.name != "PREEMPTED" or req_id in scheduler.cache.seq_lens:
-            raise InvariantError(f"host: request {req_id} holds swapped slots but is {request.status.name}")
-        if len(slots) != ceil_div(request.swapped_tokens, block_size):
-            raise InvariantError(f"host: request {req_id} swapped {request.swapped_tokens} tokens into "
-                                 f"{len(slots)} slots")
+    for req_id, record in swapped.items():
+        request = scheduler.requests.get(req_id)
+        if request is None or request.status.name != "PREEMPTED" or req_id in scheduler.cache.seq_lens:
+            status = "gone" if request is None else request.status.name
+            raise InvariantError(f"host: request {req_id} holds swapped slots but is {status}")
+        if len(record.slots) != ceil_div(record.tokens, block_size):
+            raise InvariantError(f"host: request {req_id} swapped {record.tokens} tokens into "
+                                 f"{len(record.slots)} slots")
 
 
-def _check_host_contents(scheduler: Any) -> None:
-    host = scheduler.host
+def _check_host_contents(scheduler: Any, host: Any) -> None:
     cache = host.cache
     prefix = scheduler.cache.prefix_cache
     if prefix is None or isinstance(prefix, RadixCache):
@@ -346,5 +346,6 @@ def _check_host_contents(scheduler: Any) -> None:
 
 def _unwritten(scheduler: Any) -> set[int]:
     """Blocks registered by the open plan, if any: their K/V are not written yet."""
-    plan = scheduler.plan
-    return set(plan.registered) if plan is not None else set()
+    if scheduler.plan is None:
+        return set()
+    return set(scheduler.journal.registered)

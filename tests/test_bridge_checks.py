@@ -12,7 +12,7 @@ from pagedlib.core.scheduler import Scheduler
 from pagedlib.engine import Engine
 from pagedlib.model import PagedLlama
 from pagedlib.sim.simulate import sim_step
-from pagedlib.vllm_bridge import Arrival, StepRecord, config_of, differences, run_engine
+from pagedlib.vllm.bridge import Arrival, StepRecord, config_of, differences, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_config_of_refuses_a_folder_that_holds_another_model():
 
 def test_vllm_available_checks_the_version(monkeypatch):
     """Defect 21: a vLLM of another version is not the one the course is checked against."""
-    from pagedlib import vllm_bridge
+    from pagedlib.vllm import bridge as vllm_bridge
 
     monkeypatch.setattr(vllm_bridge, "_installed_version", lambda: "0.1.0")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())

@@ -120,7 +120,7 @@ def test_a_request_preempted_mid_prefill_starts_again():
         while sched.has_unfinished and len(plans) < 40:
             plans.append(sim_step(sched)[0])
         assert not sched.has_unfinished and any(plan.preempted for plan in plans) is not must_fit
-    recomputed = sum(plan.recomputed_tokens for plan in plans)
+    recomputed = sum(plan.counts.recomputed_tokens for plan in plans)
     assert recomputed > 0
     back = next(i for i, p in enumerate(plans) if p.preempted) + 1
     assert any(r.req_id == 1 for r, _ in plans[back].prefill + plans[back + 1].prefill)
@@ -174,7 +174,7 @@ def test_preempted_mid_prefill_counts_only_what_is_really_recomputed():
             furthest[r.req_id] = max(furthest[r.req_id], start + n)
         for r in plan.decode:
             furthest[r.req_id] = max(furthest[r.req_id], r.num_computed_tokens + 1)
-        reported += plan.recomputed_tokens
+        reported += plan.counts.recomputed_tokens
         preemptions += len(plan.preempted)
         write_fake_kv(sched, plan)
         sched.update(plan, [fake_output_token(r) for r, _ in plan.work])

@@ -13,11 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedlib.core.connector import HostConnector, KVConnector, LoadFailed, StoreConnector
-from pagedlib.core.host_tier import HostTier
-from pagedlib.core.kv_store import EntryError, KVStore, block_hashes
+from pagedlib.core.connector import KVConnector, LoadFailed
 from pagedlib.disagg import decode, decode_in_child, handoff, tiny_store
 from pagedlib.engine import Engine
+from pagedlib.kv_transfer.connectors import HostConnector, StoreConnector
+from pagedlib.kv_transfer.host_tier import HostTier
+from pagedlib.kv_transfer.store import EntryError, KVStore, block_hashes
 
 BLOCK = 32
 SETTINGS = {"num_blocks": 48, "block_size": BLOCK, "max_num_batched_tokens": 64}
@@ -90,7 +91,7 @@ def test_what_one_entry_holds_is_the_producers_block_bit_for_bit(tiny, tmp_path)
         assert torch.equal(k, engine.cache.pool.k[block]) and torch.equal(v, engine.cache.pool.v[block])
 
 
-def test_the_host_tier_behind_the_contract_does_what_notebook_13s_does(tiny, reference):
+def test_host_blocks_builds_the_host_connector_a_reader_could_pass_by_hand(tiny, reference):
     prompts, _ = reference
     prompts = prompts + [p[:90] + [1, 2, 3] for p in prompts[:3]]  # later requests find earlier blocks
     small = {**SETTINGS, "num_blocks": 10, "enable_prefix_caching": True}  # the pool evicts: the tier finds
@@ -101,7 +102,8 @@ def test_the_host_tier_behind_the_contract_does_what_notebook_13s_does(tiny, ref
     assert through.generate(prompts, 12) == tokens
     ours, theirs = tier.stats(), built_in.host.stats()
     assert ours == theirs and ours["loaded_blocks"] > 0
-    assert through.stats.connector_tokens == built_in.stats.host_hit_tokens
+    assert through.stats.connector_tokens == built_in.stats.connector_tokens
+    assert isinstance(built_in.connector, HostConnector)  # host_blocks= builds this very connector
 
 
 # ---- faults: none changes a token ----------------------------------------------------------------------
@@ -167,14 +169,14 @@ def test_an_entry_that_vanishes_between_lookup_and_load_undoes_the_step_and_comp
     engine = decoder(tiny, tmp_path)
     store = engine.connector.store
     victim = block_hashes(prompts[2], BLOCK)[0]
-    original = engine.scheduler.load_external
+    original = engine.connector.start_load_kv
 
-    def vanish_then_load(plan):
+    def vanish_then_load(pool, meta):
         if store.path(victim).exists():
             store.path(victim).unlink()
-        original(plan)
+        original(pool, meta)
 
-    engine.scheduler.load_external = vanish_then_load
+    engine.connector.start_load_kv = vanish_then_load
     with pytest.warns(RuntimeWarning, match="cannot be read"):
         done = decode(engine, handoff(prompts, first), 11)
     assert [f + t for f, t in zip(first, done.tokens)] == expected
@@ -187,7 +189,7 @@ def test_a_store_folder_that_vanishes_mid_run_only_costs_its_saves(tiny, referen
     ids = [engine.add_request(p, 12) for p in prompts]
     engine.step()
     shutil.rmtree(tmp_path)
-    with pytest.warns(RuntimeWarning, match="could not be saved"):
+    with pytest.warns(RuntimeWarning, match="not saved"):
         while engine.has_unfinished():
             engine.step()
     assert [engine.output(i) for i in ids] == expected
@@ -314,16 +316,17 @@ def test_bad_connectors_are_refused_naming_what_is_wrong(tiny, tmp_path):
                 dtype="float8_e4m3fn")
 
 
-def test_a_connector_that_offers_part_of_a_block_is_refused(tiny, tmp_path):
+@pytest.mark.parametrize("offer", [40, 41, -1, 2.0])
+def test_a_connector_that_offers_the_last_token_or_nonsense_is_refused(tiny, tmp_path, offer):
     class Greedy(StoreConnector):
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 5
+            return offer
 
     engine = Engine(tiny, **SETTINGS, connector=Greedy(tiny_store(tmp_path)))
     engine.add_request(list(range(40)), 2)
-    with pytest.raises(ValueError, match="whole blocks of 32"):
+    with pytest.raises(ValueError, match="at most 39, never the last token"):
         engine.step()
-    assert engine.cache.num_used_blocks == 0
+    assert engine.cache.num_used_blocks == 0 and engine.scheduler.plan is None
 
 
 def test_put_refuses_a_block_of_another_shape_and_get_names_a_missing_entry(tmp_path):

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pagedlib  # noqa: F401
-from pagedlib.core.host_tier import HostTier
 from pagedlib.engine import Engine
+from pagedlib.kv_transfer.host_tier import HostTier
 from pagedlib.testing import InvariantError, check_host, check_invariants
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,7 +91,7 @@ def test_the_tokens_are_transformers_whatever_the_host_tier_does(prefix, write, 
     stats = engine.host.stats()
     assert engine.stats.preemptions > 0  # the pool is tight: the workload tests what it means to
     if write != "none" and host == "roomy":
-        assert engine.stats.host_hit_tokens > 0 and stats["loaded_blocks"] > 0
+        assert engine.stats.connector_tokens > 0 and stats["loaded_blocks"] > 0
         assert stats["saved_blocks"] > 0
     if preemption == "swap" and host == "roomy":
         assert stats["swapped_out_blocks"] >= stats["swapped_in_blocks"] > 0  # less what the cache kept
@@ -101,7 +101,7 @@ def test_the_tokens_are_transformers_whatever_the_host_tier_does(prefix, write, 
         assert engine.stats.recomputed_tokens == 0  # every preemption swapped: nothing computed twice
     if preemption == "recompute":  # a preempted request's blocks may come back from the host tier
         assert stats["swapped_out_blocks"] == 0
-        assert engine.stats.recomputed_tokens > 0 or engine.stats.host_hit_tokens > 0
+        assert engine.stats.recomputed_tokens > 0 or engine.stats.connector_tokens > 0
 
 
 def test_the_host_tier_saves_prefill_that_the_device_pool_alone_recomputes():
@@ -109,7 +109,7 @@ def test_the_host_tier_saves_prefill_that_the_device_pool_alone_recomputes():
     alone = Engine.from_hf(hf(), device_blocks(), BLOCK, enable_prefix_caching=True)
     assert run(both, [list(p) for p in prompts()]) == run(alone, [list(p) for p in prompts()])
     assert both.stats.prefill_tokens < alone.stats.prefill_tokens
-    assert both.stats.host_hit_tokens > 0 == alone.stats.host_hit_tokens
+    assert both.stats.connector_tokens > 0 == alone.stats.connector_tokens
     lookups = both.host.stats()  # every admission's lookup counts, the misses too
     assert lookups["queried_blocks"] > lookups["hit_blocks"] == lookups["loaded_blocks"] > 0
     assert 0 < lookups["hit_rate"] < 1
@@ -141,11 +141,15 @@ def test_bad_host_settings_are_refused_by_name(settings_, message):
 
 def test_a_host_tier_of_another_shape_is_refused():
     from pagedlib.core.scheduler import Scheduler
+    from pagedlib.kv_transfer.connectors import HostConnector
 
     engine = Engine.from_hf(hf(), 16, BLOCK)
     other = Engine.from_hf(hf(), 16, 8).cache.pool
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(engine.cache, connector=HostConnector(HostTier(other, 4)))
+    fp8 = Engine.from_hf(hf(), 16, BLOCK, kv_cache_dtype=torch.float8_e4m3fn).cache.pool
     with pytest.raises(ValueError, match="host tier blocks"):
-        Scheduler(engine.cache, host=HostTier(other, 4))
+        Scheduler(engine.cache, connector=HostConnector(HostTier(fp8, 4)))
 
 
 def test_check_host_names_a_slot_in_two_places():
@@ -207,7 +211,7 @@ def test_random_runs_with_interrupted_copies_keep_every_block_and_every_token(
                             **PREFIX[prefix])
     ids = [engine.add_request(p, 6) for p in prompts_]
     host = engine.host
-    originals = {name: getattr(HostTier, name) for name in ("save", "load")}
+    originals = {name: getattr(HostTier, name) for name in ("copy_out", "copy_in")}
     forward = engine.model.forward
 
     def flaky(function):
@@ -217,8 +221,8 @@ def test_random_runs_with_interrupted_copies_keep_every_block_and_every_token(
             return function(*args, **kwargs)
         return call
 
-    host.save = flaky(functools.partial(originals["save"], host))
-    host.load = flaky(functools.partial(originals["load"], host))
+    host.copy_out = flaky(functools.partial(originals["copy_out"], host))
+    host.copy_in = flaky(functools.partial(originals["copy_in"], host))
     engine.model.forward = flaky(forward)
     steps = 0
     try:
@@ -255,12 +259,12 @@ def test_aborting_a_swapped_request_gives_its_host_slots_back():
     swapped = None
     while swapped is None and engine.has_unfinished():
         engine.step()
-        swapped = next((r for r in engine.scheduler.waiting if r.swapped is not None), None)
+        swapped = next((r for r in engine.scheduler.waiting if r.req_id in engine.connector.swapped), None)
     assert swapped is not None, "the workload swaps a request out"
-    held, its_slots = engine.host.cache.reserved, len(swapped.swapped)
+    held, its_slots = engine.host.cache.reserved, len(engine.connector.swapped[swapped.req_id].slots)
     engine.abort(swapped.req_id)
     assert engine.host.cache.reserved == held - its_slots and its_slots > 0
-    assert swapped.swapped is None
+    assert swapped.req_id not in engine.connector.swapped
     check_host(engine.scheduler)
     while engine.has_unfinished():
         engine.step()

@@ -83,11 +83,12 @@ def test_no_import_cycle():
 
 
 # The layers, bottom up: a module may import its own layer and the ones below it, never one above.
-LAYERS = ["pagedlib.util", "pagedlib.figures", "pagedlib.core", "pagedlib.testing", "pagedlib.kernels",
+LAYERS = ["pagedlib.util", "pagedlib.figures", "pagedlib.core", "pagedlib.kv_transfer", "pagedlib.testing",
+          "pagedlib.kernels",
           "pagedlib.checks", "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats",
           "pagedlib.model", "pagedlib.engine",
-          "pagedlib.sim", "pagedlib.teach", "pagedlib.disagg", "pagedlib.vllm_bridge",
-          "pagedlib.vllm_connector", "pagedlib.vllm_offload", "pagedlib.bench"]
+          "pagedlib.sim", "pagedlib.teach", "pagedlib.disagg",
+          "pagedlib.vllm", "pagedlib.bench"]
 
 
 def layer(module: str) -> int:

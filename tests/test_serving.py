@@ -384,7 +384,7 @@ def test_prefix_hits_hand_computed():
             sched.add(r)
         plan = sched.schedule()
         write_fake_kv(sched, plan)
-        cached_tokens += plan.cached_tokens
+        cached_tokens += plan.counts.cached_tokens
         prefill_tokens += sum(n for _, n in plan.prefill)
         check_invariants(cache)
         prefills.update({r.req_id: (cache.seq_lens[r.req_id] - n, n) for r, n in plan.prefill})

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlib.core.host_tier import POLICIES, HostCache
+from pagedlib.kv_transfer.host_tier import POLICIES, HostCache
 from pagedlib.sim.trace import (
     MOONCAKE_BLOCK_TOKENS,
     MOONCAKE_TRACE,
@@ -25,8 +25,8 @@ from pagedlib.sim.trace import (
     read_trace,
     replay,
 )
-from pagedlib.vllm_bridge import vllm_available
-from pagedlib.vllm_offload import vllm_manager_hits, vllm_manager_runs
+from pagedlib.vllm.bridge import vllm_available
+from pagedlib.vllm.offload import vllm_manager_hits, vllm_manager_runs
 
 AVAILABLE, WHY = vllm_available()
 SLICE = 1500  # requests of the shipped trace the replay and the oracle tests use
@@ -390,7 +390,7 @@ def test_the_oracle_checks_its_arguments():
 
 
 def test_the_oracle_says_why_vllm_cannot_run(monkeypatch):
-    monkeypatch.setattr("pagedlib.vllm_offload.vllm_available", lambda: (False, "no vLLM on this machine"))
+    monkeypatch.setattr("pagedlib.vllm.offload.vllm_available", lambda: (False, "no vLLM on this machine"))
     with pytest.raises(RuntimeError, match="no vLLM on this machine"):
         vllm_manager_hits([[1]], 4)
 
@@ -401,7 +401,7 @@ def test_a_failing_child_is_a_runtime_error_quoting_its_stderr(monkeypatch, tmp_
     fake.write_text("#!/bin/sh\ncat > /dev/null\necho 'first line' >&2\necho 'ImportError: no vllm' >&2\n"
                     "exit 3\n")
     fake.chmod(0o755)
-    monkeypatch.setattr("pagedlib.vllm_offload.vllm_available", lambda: (True, ""))
+    monkeypatch.setattr("pagedlib.vllm.offload.vllm_available", lambda: (True, ""))
     monkeypatch.setattr(sys, "executable", str(fake))
     with pytest.raises(RuntimeError, match="exited with 3") as error:
         vllm_manager_hits([[1]], 4)

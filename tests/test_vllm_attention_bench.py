@@ -12,7 +12,7 @@ import pytest
 
 from pagedlib.bench.__main__ import main
 from pagedlib.bench.attention import AttentionConfig, vllm_points, vllm_rows
-from pagedlib.vllm_bridge import vllm_available
+from pagedlib.vllm.bridge import vllm_available
 
 AVAILABLE, WHY = vllm_available()
 needs_vllm = pytest.mark.skipif(not AVAILABLE, reason=WHY)

@@ -1,4 +1,4 @@
-"""vLLM with pagedlib's connector (``pagedlib.vllm_connector``): blocks computed by one engine, vLLM's or
+"""vLLM with pagedlib's connector (``pagedlib.vllm.connector``): blocks computed by one engine, vLLM's or
 pagedlib's, and loaded by another through a ``KVStore`` give the tokens one vLLM engine gives alone.
 
 A prefill engine runs each prompt with ``max_tokens=1`` and is closed; a decode engine, started afresh on the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlib.vllm_bridge import TINY_MODEL, Arrival, BridgeConfig, VllmWorker, vllm_available
+from pagedlib.vllm.bridge import TINY_MODEL, Arrival, BridgeConfig, VllmWorker, vllm_available
 
 AVAILABLE, WHY = vllm_available()
 if not AVAILABLE:
@@ -40,7 +40,7 @@ def prompt(name: str) -> list[int]:
 
 
 def geometry() -> dict:
-    from pagedlib.core.kv_store import model_fingerprint
+    from pagedlib.kv_transfer.store import model_fingerprint
 
     return dict(model=model_fingerprint(TINY_MODEL), block_size=BLOCK, num_layers=3, kv_heads=2, head_dim=32,
                 dtype="float32")
@@ -88,7 +88,7 @@ def test_layout_round_trip_against_the_op():
     code = """
 import torch
 from vllm import _custom_ops as ops
-from pagedlib.vllm_connector import CpuBlockLayout, cpu_attention_isa
+from pagedlib.vllm.connector import CpuBlockLayout, cpu_attention_isa
 for dtype in (torch.float32, torch.bfloat16):
     isa = cpu_attention_isa(dtype, 32, 32)
     layout = CpuBlockLayout(isa, 2, 32, 32, dtype)
@@ -112,7 +112,7 @@ for dtype in (torch.float32, torch.bfloat16):
 
 def test_vllm_prefill_writes_entries(vllm_store):
     """The prefill saved every full block of each prompt, in the store's layout, named by vLLM's ISA."""
-    from pagedlib.core.kv_store import KVStore, block_hashes
+    from pagedlib.kv_transfer.store import KVStore, block_hashes
 
     store_dir, _ = vllm_store
     store = KVStore(store_dir, **geometry())
@@ -142,7 +142,7 @@ def test_vllm_prefill_vllm_decode(vllm_store, reference, tmp_path):
 def test_damaged_entries_change_no_token(vllm_store, reference, tmp_path):
     """A corrupt entry (its K/V bytes changed: only loading finds it, vLLM recomputes the block) and a
     missing one (the admission's lookup stops before it) change no token."""
-    from pagedlib.core.kv_store import KVStore, block_hashes
+    from pagedlib.kv_transfer.store import KVStore, block_hashes
 
     store_dir, first = vllm_store
     store_path = tmp_path / "store"
@@ -170,9 +170,9 @@ def tiny():
 
 
 def pagedlib_engine(tiny, store: Path):
-    from pagedlib.core.connector import StoreConnector
-    from pagedlib.core.kv_store import KVStore
     from pagedlib.engine import Engine
+    from pagedlib.kv_transfer.connectors import StoreConnector
+    from pagedlib.kv_transfer.store import KVStore
 
     return Engine(tiny, CONFIG.num_blocks, BLOCK, max_num_batched_tokens=CONFIG.max_num_batched_tokens,
                   connector=StoreConnector(KVStore(store, **geometry())))
@@ -189,7 +189,7 @@ def test_pagedlib_prefill_vllm_decode(tiny, reference, tmp_path):
 
 
 def test_vllm_prefill_pagedlib_decode(vllm_store, tiny, reference, tmp_path):
-    from pagedlib.vllm_bridge import run_engine
+    from pagedlib.vllm.bridge import run_engine
 
     store_dir, first = vllm_store
     store = tmp_path / "store"
@@ -210,7 +210,7 @@ def test_a_failed_load_saves_no_block_computed_over_it(vllm_store, tmp_path):
 
     import torch
 
-    from pagedlib.core.kv_store import KVStore, block_hashes
+    from pagedlib.kv_transfer.store import KVStore, block_hashes
 
     store_dir, first = vllm_store
     rng = random.Random(3)

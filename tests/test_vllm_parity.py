@@ -16,7 +16,7 @@ import time
 import pytest
 
 from pagedlib.engine import Engine
-from pagedlib.vllm_bridge import (
+from pagedlib.vllm.bridge import (
     Arrival,
     BridgeConfig,
     VllmWorker,
@@ -412,7 +412,7 @@ def bridge_processes(*spared: VllmWorker) -> list[int]:
             cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
         except OSError:                                   # it ended while we looked
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"pagedlib.vllm_bridge" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"pagedlib.vllm.bridge" in cmdline:
             found.append(int(entry))
     return sorted(set(found) - {worker.process.pid for worker in spared})
 

@@ -240,7 +240,7 @@ def vllm_points(cfg: AttentionConfig, batches: list[int], contexts: list[int],
     """The points of the vLLM table: ``cfg`` at each batch and context, at a block size vLLM's CPU backend
     takes (``cfg.block_size`` if a multiple of 32, else 32), those whose pools fit in ``memory`` bytes (with
     vLLM's copy); and a sentence for each point or setting left out."""
-    from pagedlib.vllm_bridge import vllm_available
+    from pagedlib.vllm.bridge import vllm_available
 
     ok, why = vllm_available()
     if not ok:

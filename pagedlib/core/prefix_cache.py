@@ -5,8 +5,9 @@ computing its K/V again; a registered block nobody holds waits in ``free_queue``
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedlib import figures
 from pagedlib.core import _checks as checks
@@ -46,6 +47,18 @@ class BlockKey:
 
     def __repr__(self) -> str:
         return f"BlockKey({self.hash:#x}, tokens={list(self.tokens)})"
+
+
+def chained_keys(token_ids: Sequence[int], block_size: int, stop: int | None = None,
+                 link: Callable[[Any, tuple[int, ...]], Any] = BlockKey) -> Iterator[Any]:
+    """The keys of the full blocks of ``token_ids`` (the first ``stop`` at most), each ``link(parent key or
+    None, the block's token ids)``: a ``BlockKey``, or a store's hash (``kv_transfer.store.block_hashes``).
+    Lazy: a lookup that stops at its first miss makes no key after it."""
+    full = len(token_ids) // block_size
+    parent = None
+    for index in range(full if stop is None else min(stop, full)):
+        parent = link(parent, tuple(token_ids[index * block_size:(index + 1) * block_size]))
+        yield parent
 
 
 @dataclass

@@ -37,8 +37,6 @@ class Request:
         self.output_tokens: list[int] = []  # sampled so far
         self.num_computed_tokens = 0  # K/V computed: stored, or found cached
         self.lost_tokens = 0  # K/V its last preemption threw away
-        self.swapped: list[int] | None = None  # host slots holding its blocks while swapped out
-        self.swapped_tokens = 0  # tokens those blocks hold
         self.status = Status.WAITING
 
     @property

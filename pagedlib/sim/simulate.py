@@ -251,9 +251,9 @@ class _Totals:
 
     def add(self, plan: StepPlan) -> None:
         self.preemptions += len(plan.preempted)
-        self.recomputed_tokens += plan.recomputed_tokens
+        self.recomputed_tokens += plan.counts.recomputed_tokens
         self.prefill_tokens += sum(n for _, n in plan.prefill)
-        self.cached_tokens += plan.cached_tokens
+        self.cached_tokens += plan.counts.cached_tokens
 
 
 def serve(sched: Scheduler, requests: list[Request], occupancy: bool = False, progress: bool = False

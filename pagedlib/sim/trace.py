@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from pagedlib.core.host_tier import POLICIES, HostCache
+from pagedlib.kv_transfer.host_tier import HostCache
+from pagedlib.kv_transfer.policies import POLICIES
 from pagedlib.util import as_int
 
 MOONCAKE_BLOCK_TOKENS = 512  # the block of Mooncake's traces
@@ -151,7 +152,7 @@ def replay(requests: Iterable[TraceRequest], blocks: int, host_blocks: int = 0, 
     blocks = as_int("blocks", blocks, minimum=1)
     host_blocks = as_int("host_blocks", host_blocks, minimum=0)
     if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {policy!r}")
     if write not in WRITES:
         raise ValueError(f"write must be one of {WRITES}, got {write!r}")
     block_size = as_int("block_size", block_size, minimum=1)

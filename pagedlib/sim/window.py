@@ -47,8 +47,6 @@ class WindowScheduler(Scheduler):
                 "cached block's key names the block before it, which the window would free)"))
         refuse((options.get("max_num_batched_tokens") is not None,
                 "chunked prefill (max_num_batched_tokens) needs the 'paged' policy and no sliding_window"),
-               (options.get("host") is not None, "sliding_window takes no host tier: the window frees the "
-                "blocks a host tier's keys chain through"),
                (options.get("connector") is not None, "sliding_window takes no connector: the window frees "
                 "the blocks a connector's keys chain through"))
         super().__init__(cache, **options)
@@ -69,14 +67,14 @@ class WindowScheduler(Scheduler):
         behind = max(0, request.num_tokens - self.window)
         return behind // self.block_size * self.block_size
 
-    def cached_prefix(self, request: Request, plan: StepPlan) -> tuple[list[int], int, list]:
-        return [], self.first_stored(request), []  # the tokens before need no block; no host tier
+    def cached_prefix(self, request: Request) -> tuple[list[int], int, int]:
+        return [], self.first_stored(request), 0  # the tokens before need no block; no connector
 
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         return super().fits(request, found, num_tokens - self.first_stored(request))
 
-    def attach(self, plan: StepPlan, request: Request, loads: list) -> int:
-        super().attach(plan, request, loads)
+    def attach(self, plan: StepPlan, request: Request, external: int) -> int:
+        super().attach(plan, request, external)
         start = self.first_stored(request)
         self.skipped_tokens += start
         return start

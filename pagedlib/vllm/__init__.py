@@ -1,0 +1,8 @@
+"""vLLM itself, beside the course's engine (notebooks 12-14), each module run in a child process of its own
+or loaded by vLLM:
+
+- ``bridge``     a worker process running vLLM set up like an ``Engine``, stepped on the same requests
+- ``connector``  ``PagedlibConnector``: vLLM loads and saves ``KVStore`` entries through it
+- ``offload``    vLLM's ``CPUOffloadingManager`` replaying a trace: the oracle of ``HostCache``
+
+Nothing else in pagedlib imports vLLM: the package runs without it."""
