@@ -21,6 +21,8 @@ connector does: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_bot
 
 The rules both engines follow:
 
+These rules are ``pagedlib.kv_transfer.rules``, which ``StoreConnector`` follows too:
+
 * **Keys.** Block ``i`` of a request is entry ``block_hashes(token_ids, block_size)[i]``; its parent is
   entry ``i - 1`` (``""`` for block 0).
 * **Load, at admission.** Past the local prefix cache's hit, the full blocks before the block that holds
@@ -60,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from pagedlib.kv_transfer import rules
 from pagedlib.kv_transfer.store import EntryError, KVStore, block_hashes, model_fingerprint
 
 if TYPE_CHECKING:
@@ -239,14 +242,10 @@ class PagedlibConnector(KVConnectorBase_V1):
         if not self.loads_enabled:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        first, stop = num_computed_tokens // self.block_size, (len(prompt) - 1) // self.block_size
-        keys = block_hashes(prompt, self.block_size, stop)[first:]
-        found = 0
-        for key in keys:
-            if self.store.check_header(key) is not None:
-                break
-            found += 1
-        self._matches[request.request_id] = (first, keys[:found])
+        first = num_computed_tokens // self.block_size
+        keys = block_hashes(prompt, self.block_size, rules.offer_stop(len(prompt), self.block_size))
+        found = rules.offer(keys, lambda key: self.store.check_header(key) is None, first)
+        self._matches[request.request_id] = (first, keys[first:first + found])
         return found * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -305,17 +304,17 @@ class PagedlibConnector(KVConnectorBase_V1):
         saves, planned = [], set()
         for req_id, tokens in computed.items():
             tracked = self._tracked[req_id]
-            full = min(tokens // self.block_size, len(tracked.block_ids))
-            if full <= tracked.saved:
+            tokens = min(tokens, len(tracked.block_ids) * self.block_size)
+            filled = rules.filled(tracked.saved * self.block_size, tokens, self.block_size)
+            if not filled:
                 continue
-            token_ids = list(tracked.request.all_token_ids[:full * self.block_size])
-            keys = block_hashes(token_ids, self.block_size)
-            for index in range(tracked.saved, full):
+            keys = block_hashes(list(tracked.request.all_token_ids), self.block_size, filled.stop)
+            for index in filled:
                 if keys[index] not in planned and keys[index] not in self.store:
                     planned.add(keys[index])
                     parent = keys[index - 1] if index else ""
                     saves.append(BlockSave(req_id, tracked.block_ids[index], keys[index], parent))
-            tracked.saved = full
+            tracked.saved = filled.stop
         return saves
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

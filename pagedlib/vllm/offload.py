@@ -71,7 +71,7 @@ def _hash_ids(request: Any, number: int) -> list[int]:
 
 def _run_child(payload: str, timeout: float) -> list[list[int]]:
     """The child's answer to ``payload``; ``RuntimeError`` with its stderr's tail if it fails."""
-    root = str(Path(__file__).resolve().parent.parent)   # this pagedlib, wherever the child starts
+    root = str(Path(__file__).resolve().parents[2])   # this pagedlib, wherever the child starts
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **CHILD_ENV, "PYTHONPATH": path}
     command = [sys.executable, "-m", "pagedlib.vllm.offload"]
