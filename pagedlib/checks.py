@@ -162,7 +162,7 @@ def check_generate(engine: Any, prompts: object, max_new_tokens: object) -> int:
 
 def check_host(config: Any) -> None:
     """An ``EngineConfig``'s host tier settings: a policy and a write mode the tier has, swapping only into
-    a tier, a victim tier only beside a prefix cache that evicts."""
+    a tier (the connector it builds checks the rest against the cache)."""
     from pagedlib.kv_transfer.connectors import WRITES
     from pagedlib.kv_transfer.policies import POLICIES
 
@@ -174,9 +174,6 @@ def check_host(config: Any) -> None:
         raise ValueError(f"preemption must be 'recompute' or 'swap', got {config.preemption!r}")
     if config.preemption == "swap" and not config.host_blocks:
         raise ValueError("preemption='swap' needs a host tier to swap into: set host_blocks")
-    if config.host_write == "victim" and config.host_blocks and not config.enable_prefix_caching:
-        raise ValueError("host_write='victim' stores the blocks the prefix cache evicts: it needs "
-                         "enable_prefix_caching=True")
 
 
 def check_token_budget(budget: object, threshold: object) -> tuple[int | None, int | None]:

@@ -57,8 +57,8 @@ class Engine:
         if connector is not None:
             checks.check_instance("connector", connector, KVConnector, "a StoreConnector or HostConnector")
             if self.config.host_blocks:
-                raise ValueError("a host tier and a connector at once (host_blocks=, connector=): pass the tier as a "
-                                 "HostConnector")
+                raise ValueError("a host tier and a connector at once (host_blocks=, connector=): pass the "
+                                 "tier as a HostConnector")
         self.model = model
         self.connector = connector
         self.cache = self._new_cache()

@@ -141,7 +141,8 @@ def test_the_spy_sees_a_scheduler_that_copies(tiny):
 
 def stored(tiny, root) -> None:
     """Every full block of ``PROMPTS`` in the store at ``root``."""
-    Engine(tiny, **{**SETTINGS, "num_blocks": 64}, connector=StoreConnector(tiny_store(root))).generate(PROMPTS, 1)
+    roomy = {**SETTINGS, "num_blocks": 64}
+    Engine(tiny, **roomy, connector=StoreConnector(tiny_store(root))).generate(PROMPTS, 1)
 
 
 def run_with(tiny, root, patch) -> tuple[Engine, list]:
@@ -275,7 +276,8 @@ def test_random_store_and_host_faults_never_change_a_token(tiny, tmp_path, seed)
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
     before = files_under(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), repr(PROMPTS[::-1])], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

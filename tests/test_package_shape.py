@@ -194,3 +194,15 @@ def test_a_c_function_is_found_with_its_comment_and_a_missing_one_is_an_error():
     assert c_function(source, "add") == source[source.index("/*"):]
     with pytest.raises(ValueError, match="no definition of sub"):
         c_function(source, "sub")
+
+
+def test_core_imports_no_file_store_no_safetensors_no_child_process():
+    """``core`` is the engine's memory and the connector contract: what moves K/V elsewhere lives above it."""
+    banned = ("safetensors", "subprocess", "multiprocessing", "tempfile", "hashlib", "json")
+    for module in [m for m in MODULES if m.startswith("pagedlib.core")]:
+        tree = ast.parse(MODULES[module].read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        above = ("pagedlib.kv_transfer", "pagedlib.vllm", "pagedlib.child")
+        bad = {n for n in names if n.split(".")[0] in banned or n.startswith(above)}
+        assert not bad, f"{module} imports {sorted(bad)}"

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlib.kv_transfer.host_tier import POLICIES, HostCache
+from pagedlib.kv_transfer.host_tier import HostCache
+from pagedlib.kv_transfer.policies import POLICIES as POLICY_CLASSES
 from pagedlib.sim.trace import (
     MOONCAKE_BLOCK_TOKENS,
     MOONCAKE_TRACE,
@@ -27,6 +28,8 @@ from pagedlib.sim.trace import (
 )
 from pagedlib.vllm.bridge import vllm_available
 from pagedlib.vllm.offload import vllm_manager_hits, vllm_manager_runs
+
+POLICIES = tuple(POLICY_CLASSES)  # the policies by name: lru, arc
 
 AVAILABLE, WHY = vllm_available()
 SLICE = 1500  # requests of the shipped trace the replay and the oracle tests use

@@ -216,7 +216,8 @@ class HostConnector(BlockConnector):
         self.swap = bool(swap)
         self.device_keys: dict[int, Any] = {}  # victim: the key of each device block's content
         self.swapped: dict[Hashable, Swapped] = {}  # preempted requests' blocks, by request id
-        self.queued = HostMeta()  # victims and swaps decided, for the next step's meta
+        self.queued = HostMeta()  # victims and swap-outs decided, for the next step's meta
+        self.swap_ins: dict[Hashable, Transfer] = {}  # readmissions decided, not yet in a step's meta
 
     def bind(self, cache: Any) -> None:
         super().bind(cache)
@@ -225,8 +226,8 @@ class HostConnector(BlockConnector):
                              f"match the cache's {tuple(cache.k.shape[1:])} {cache.k.dtype}")
         if self.write == "victim":
             if cache.prefix_cache is None:
-                raise ValueError("a victim host tier stores the blocks the prefix cache evicts: it needs "
-                                 "prefix caching")
+                raise ValueError("host_write='victim' stores the blocks the prefix cache evicts: it needs "
+                                 "enable_prefix_caching=True")
             cache.manager.on_evict = self.evicted  # vLLM's connectors see the block pool's events
 
     def make_keys(self, token_ids: Any, n: int) -> list:
@@ -248,7 +249,8 @@ class HostConnector(BlockConnector):
         swapped = self.swapped.get(request.req_id)
         if swapped is not None and swapped.copied and num_external_tokens:
             first = (swapped.tokens - num_external_tokens) // self.block_size
-            self.queued.swap_ins.append(Transfer(request.req_id, swapped.slots[first:], list(blocks[first:])))
+            slots, targets = swapped.slots[first:], list(blocks[first:])
+            self.swap_ins[request.req_id] = Transfer(request.req_id, slots, targets)
             return
         if swapped is not None:  # the prefix cache holds all of it, or it was never copied: slots back
             self.tier.cache.give_slots(self.swapped.pop(request.req_id).slots)
@@ -278,8 +280,17 @@ class HostConnector(BlockConnector):
         meta, self.queued = self.queued, HostMeta()
         return meta
 
+    def build_connector_meta(self, plan: Any) -> ConnectorMeta:
+        meta = super().build_connector_meta(plan)
+        assert isinstance(meta, HostMeta)
+        rows = {request.req_id for request, _ in plan.work}
+        meta.swap_ins = [swap_in for req_id, swap_in in self.swap_ins.items() if req_id in rows]
+        self.swap_ins.clear()  # as the loads: an admission undone before its step ran loads nothing
+        return meta
+
     def request_finished(self, request: Any) -> None:
         super().request_finished(request)
+        self.swap_ins.pop(request.req_id, None)
         self.tier.cache.finish(request.req_id)
         swapped = self.swapped.pop(request.req_id, None)
         if swapped is not None:

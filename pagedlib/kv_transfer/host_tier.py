@@ -3,14 +3,15 @@
 Two layers. ``HostCache`` decides: which block keys the tier holds, found by a lookup to the first miss,
 stored all or nothing, evicted by a policy (``LRU``, or ``ARC`` as vLLM 0.32.0 has it), each request's
 accesses told to the policy when it finishes; it knows keys only, so a trace of block ids replays through
-it (``pagedlib.sim.trace``). ``HostTier`` adds the memory: a host pool shaped like ``KVPool``, the copies in
-and out of the device pool, and the slots a preempted request's blocks are swapped into.
+it (``pagedlib.sim.trace``). ``HostTier`` adds the memory: a host pool shaped like ``KVPool`` and the copies
+in and out of the device pool.
 
 Every decision follows ``vllm/v1/kv_offload/cpu/manager.py`` (``CPUOffloadingManager``) and its policies
-(``cpu/policies/lru.py``, ``arc.py``), driven as vLLM's offloading scheduler drives them one request at a
+(``cpu/policies/``, here ``policies``), driven as vLLM's offloading connector drives them one request at a
 time: ``lookup`` its blocks after the device pool's hits, ``load`` the hits, ``store`` the blocks it
-computes, ``finish`` it. Copies are made when decided (one process, no transfer queue): a copy into the
-host is made before the device block is overwritten, a copy back before the forward pass reads it."""
+computes, ``finish`` it. The engine reaches the tier only through ``connectors.HostConnector``, which
+decides while the scheduler plans and copies while the engine runs the step (one process, no transfer
+queue): out of the device pool before a block is overwritten, back before the forward pass reads it."""
 
 from __future__ import annotations
 
@@ -167,7 +168,6 @@ class HostCache:
     def take_slots(self, n: int) -> list[int] | None:
         """``n`` slots outside the policy (a swapped request's), evicting cached blocks for them; ``None``
         (nothing changed) if the tier cannot free enough."""
-        n = as_int("n", n, minimum=0)
         self.last_evicted = []
         short = n - len(self.free_slots)
         if short > 0:
