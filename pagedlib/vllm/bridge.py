@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 VLLM_VERSION = "0.32.0"        # the version the lock pins: the notebook's map and the tests assume it
-TINY_MODEL = Path(__file__).parent / "data" / "tiny_char_llama"
+TINY_MODEL = Path(__file__).parent.parent / "data" / "tiny_char_llama"   # pagedlib/data
 
 
 @dataclass
