@@ -7,11 +7,13 @@ Read it in the order the engine runs:
 - ``kernels``  attention through a block table: torch paths, a float64 oracle, the Triton kernel (04, 05)
 - ``model``    ``PagedLlama``, a Llama decoder whose attention runs on the paged cache (08)
 - ``engine``   ``Engine``: continuous batching and greedy generation on the scheduler (08)
-- ``vllm_bridge`` vLLM itself stepped beside ``Engine`` on the same requests (12)
+- ``vllm``     vLLM itself stepped beside ``Engine`` on the same requests (12), its host tier (13) and
+  pagedlib's connector inside it (14)
 - beside the engine, on no request's path: ``testing`` (looks inside a cache: invariants, state_diff),
   ``figures`` (what notebooks read off a cache: tokens, utilization, hit rates, its printed text),
   ``checks`` (argument checks), ``loader`` (a transformers model read in),
-  ``calibration`` (fp8 scales from data), ``stats`` (what an ``Engine`` did)
+  ``calibration`` (fp8 scales from data), ``stats`` (what an ``Engine`` did), ``util`` (neutral helpers),
+  ``child`` (every Python child process: the vLLM worker, the decode engine of 14, the PTX compiler)
 - ``sim``      the serving simulation (07, 09-11), with notebook 07's slab policies and sliding windows
 - ``teach``    what only the notebooks need; ``bench`` the benchmark commands (``python -m pagedlib.bench``)
 """
