@@ -237,16 +237,20 @@ def serve(handler: Callable[[Any], Any]) -> None:
     answers.flush()
     for line in sys.stdin:
         if line.strip():
-            reply = _answer(handler, json.loads(line))
+            reply = _answer(handler, line)
             sys.stdout.flush()
             answers.write(reply + "\n")
             answers.flush()
 
 
-def _answer(handler: Callable[[Any], Any], request: dict[str, Any]) -> str:
-    """The answer line to one job: the handler's answer, or its error (the traceback printed on stderr)."""
+def _answer(handler: Callable[[Any], Any], line: str) -> str:
+    """The answer line to one job line: the handler's answer, or its error (the traceback printed on stderr;
+    a line that is no job is an error too, with no id)."""
+    request: Any = None
     try:
+        request = json.loads(line)
         return json.dumps({"id": request["id"], "answer": handler(request["job"])})
     except Exception as error:           # the parent raises it, quoting the stderr this traceback goes to
         traceback.print_exc()
-        return json.dumps({"id": request.get("id"), "error": f"{type(error).__name__}: {error}"})
+        job = request.get("id") if isinstance(request, dict) else None
+        return json.dumps({"id": job, "error": f"{type(error).__name__}: {error}"})

@@ -109,6 +109,15 @@ def test_an_error_in_the_handler_is_raised_and_the_child_goes_on():
             assert "Traceback" in error.value.stderr and child.process.poll() is None
 
 
+def test_a_line_that_is_no_job_does_not_kill_the_child():
+    """A line of another protocol (a JSON list, as the old offload child read) is answered with an error
+    without an id, which no caller waits for; the child goes on."""
+    with Child("childish", env=childish(), timeout=60) as child:
+        child._inbox.put(b"[1, 2]\n")
+        assert child.ask("after")["echo"] == "after"
+        assert "TypeError" in child.stderr_tail() or "KeyError" in child.stderr_tail()
+
+
 def test_an_answer_left_by_an_interrupted_job_is_dropped():
     with Child("childish", env=childish(), timeout=60) as child:
         child.send("first, never read")
