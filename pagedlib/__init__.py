@@ -15,7 +15,8 @@ Read it in the order the engine runs:
 - beside the engine, on no request's path: ``testing`` (looks inside a cache: invariants, state_diff),
   ``figures`` (what notebooks read off a cache: tokens, utilization, hit rates, its printed text),
   ``checks`` (argument checks), ``loader`` (a transformers model read in),
-  ``calibration`` (fp8 scales from data), ``stats`` (what an ``Engine`` did)
+  ``calibration`` (fp8 scales from data), ``stats`` (what an ``Engine`` did), ``util`` (neutral helpers),
+  ``child`` (every Python child process: the vLLM worker, the decode engine of 14, the PTX compiler)
 - ``sim``      the serving simulation (07, 09-11), with notebook 07's slab policies and sliding windows
 - ``teach``    what only the notebooks need; ``bench`` the benchmark commands (``python -m pagedlib.bench``)
 """

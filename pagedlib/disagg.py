@@ -7,18 +7,18 @@ prompt's full blocks in the store at admission, loads them instead of computing 
 (at least the last token, whose logits it needs) and continues. The tokens equal one engine's.
 
 ``decode_in_child`` runs the decode engine in a child process (``python -m pagedlib.disagg``, one JSON job
-on stdin, one JSON answer on stdout) on the course's tiny model."""
+and its answer, started and guarded by ``pagedlib.child.run_child``: a timeout, the child's stderr quoted
+if it fails) on the course's tiny model."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedlib.child import ChildError, run_child, serve
 from pagedlib.kv_transfer.connectors import StoreConnector
 from pagedlib.kv_transfer.store import KVStore, model_fingerprint
 
@@ -71,14 +71,16 @@ def decode_in_child(root: str | Path, prompts: Sequence[Sequence[int]], max_new_
                     timeout: float = 300.0, **settings: Any) -> Decoded:
     """``decode`` in a new process: an ``Engine`` on the tiny model with ``settings`` (``num_blocks``,
     ``block_size``, ...) and a consumer ``StoreConnector`` on ``root``. ``RuntimeError`` with the child's
-    stderr if it fails."""
+    stderr if it fails, ``TimeoutError`` (the child stopped) after ``timeout`` seconds."""
     job = {"root": str(root), "prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
            "settings": settings}
-    done = subprocess.run([sys.executable, "-m", "pagedlib.disagg"], input=json.dumps(job),
-                          capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"the decode process failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return Decoded(**json.loads(done.stdout.splitlines()[-1]))
+    try:
+        return Decoded(**run_child(CHILD_MODULE, job, timeout))
+    except ChildError as error:
+        raise RuntimeError(f"the decode process failed: {error}") from None
+
+
+CHILD_MODULE = "pagedlib.disagg"   # the decode engine's process (``python -m``): this file
 
 
 def _child(job: dict) -> dict:
@@ -95,4 +97,4 @@ def _child(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.stdin.read()))))
+    serve(_child)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import tiny_llama
@@ -110,3 +114,104 @@ def test_vllm_available_checks_the_version(monkeypatch):
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
     available, why = vllm_bridge.vllm_available()
     assert not available and "0.1.0" in why and vllm_bridge.VLLM_VERSION in why
+
+
+# ---- a hostile user's review: what the bridge and bench generate refuse up front ---------------------------
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def test_vllm_worker_run_refuses_a_name_used_twice_before_sending():
+    """Two arrivals of one name: vLLM answers tokens by name, so one request's tokens were lost."""
+    from pagedlib.vllm.bridge import BridgeConfig, VllmWorker
+
+    worker = VllmWorker.__new__(VllmWorker)          # no process at all: nothing may be sent
+    worker.child = None
+    with pytest.raises(ValueError, match="names 'a' twice"):
+        worker.run(BridgeConfig(num_blocks=8), [Arrival("a", [1, 2], 2), Arrival("b", [3], 2),
+                                                Arrival("a", [4], 2)])
+
+
+@pytest.fixture
+def fresh_probe():
+    """``vllm_available``'s import check runs once per process: forget its answer around a test."""
+    from pagedlib.vllm import bridge
+
+    bridge._import_error.cache_clear()
+    yield
+    bridge._import_error.cache_clear()
+
+
+@pytest.mark.parametrize("init, why", [
+    ('raise ImportError("this vllm is broken on purpose")', "ImportError: this vllm is broken on purpose"),
+    ('__version__ = "0.1.0"', "import vllm finds version 0.1.0"),
+])
+def test_vllm_available_checks_that_the_pinned_vllm_imports(init, why, monkeypatch, tmp_path, fresh_probe):
+    """A vLLM whose metadata says the pinned version but whose import fails (or finds another vLLM first on
+    the path) is not available; the import runs in a child, never in this process."""
+    from pagedlib.vllm import bridge
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(init + "\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(bridge, "_installed_version", lambda: bridge.VLLM_VERSION)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    available, message = bridge.vllm_available()
+    assert not available and why in message and "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"block_size": 16}, "block_size=16: vLLM's CPU attention takes multiples of 32"),
+    ({"block_size": 0}, "block_size must be >= 1"),
+    ({"num_blocks": 0}, "num_blocks must be >= 1"),
+    ({"max_num_seqs": 300}, "max_num_seqs=300: vLLM needs max_num_batched_tokens"),
+    ({"watermark": 1.0}, "watermark=1.0"),
+    ({"kv_role": "both"}, "kv_role='both'"),
+])
+def test_a_bridge_config_built_by_hand_is_checked_as_config_of_checks(settings, match):
+    from pagedlib.vllm.bridge import BridgeConfig
+
+    with pytest.raises(ValueError, match=match):
+        BridgeConfig(**{"num_blocks": 8, **settings})
+
+
+def test_a_vllm_worker_whose_process_fails_dies_or_hangs_says_so(monkeypatch):
+    """The worker's guarantees, from ``pagedlib.child``, with ``tests/childish.py`` in place of vLLM's worker:
+    a refused job keeps its "vLLM: " message, a dead worker names its exit code, a hung one is stopped."""
+    from pagedlib.vllm import bridge
+
+    monkeypatch.setattr(bridge, "vllm_available", lambda: (True, ""))
+    monkeypatch.setattr(bridge, "WORKER_MODULE", "childish")
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    monkeypatch.setenv("CHILDISH", "raise")
+    with bridge.VllmWorker() as worker:
+        with pytest.raises(RuntimeError, match="^vLLM: ValueError: childish refuses"):
+            worker.job({"config": {}})
+    monkeypatch.setenv("CHILDISH", "exit3")
+    with bridge.VllmWorker() as worker:
+        with pytest.raises(RuntimeError, match="python -m childish exited with 3") as error:
+            worker.job({"config": {}})
+        assert "dying on purpose" in str(error.value)
+        with pytest.raises(RuntimeError, match="stopped"):
+            worker.send({"config": {}})
+    monkeypatch.setenv("CHILDISH", "sleep")
+    worker = bridge.VllmWorker(timeout=0.5)
+    with pytest.raises(TimeoutError, match=r"within 0.5 s.*make a new VllmWorker"):
+        worker.job({"config": {}})
+    assert worker.process.poll() is not None
+    worker.close()
+
+
+def test_bench_generate_refuses_a_huge_block_size_before_the_run():
+    """``--block-size 10000000`` died of memory after the run started: every request holds whole blocks."""
+    import subprocess
+
+    from pagedlib.child import ROOT, child_env
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pagedlib.bench", "generate", "--block-size", "10000000"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env())
+    assert done.returncode == 2 and "--block-size" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and time.monotonic() - start < 60

@@ -83,8 +83,8 @@ def test_no_import_cycle():
 
 
 # The layers, bottom up: a module may import its own layer and the ones below it, never one above.
-LAYERS = ["pagedlib.util", "pagedlib.figures", "pagedlib.core", "pagedlib.kv_transfer", "pagedlib.testing",
-          "pagedlib.kernels",
+LAYERS = ["pagedlib.util", "pagedlib.child",
+          "pagedlib.figures", "pagedlib.core", "pagedlib.kv_transfer", "pagedlib.testing", "pagedlib.kernels",
           "pagedlib.checks", "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats",
           "pagedlib.model", "pagedlib.engine",
           "pagedlib.sim", "pagedlib.teach", "pagedlib.disagg",

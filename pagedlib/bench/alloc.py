@@ -203,8 +203,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     usage_error = vars(args).pop("usage_error")
     device = default_device(args.device)
-    check_fits(peak_bytes(args), "this run (--batches, --prompt, --layers, --kv-heads, --head-dim)", device,
-               usage_error)
+    check_fits(peak_bytes(args), "this run (--batches, --prompt, --block-size, --layers, --kv-heads, "
+               "--head-dim)", device, usage_error)
     batches = tuple(args.batches)
     result = run(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  block_size=args.block_size, dtype=DTYPES[args.dtype], device=device, batches=batches,

@@ -30,9 +30,7 @@ equals the float64 oracle (max abs error at most 1e-5 in fp32).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -55,6 +53,7 @@ from pagedlib.bench.timing import (
     time_once,
     write_json,
 )
+from pagedlib.child import ChildError, run_child
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import (
     contiguous_attention,
@@ -261,28 +260,22 @@ def vllm_points(cfg: AttentionConfig, batches: list[int], contexts: list[int],
     return points, skipped
 
 
+VLLM_CHILD = "pagedlib.bench.vllm_attention"   # the process vLLM's kernel is timed in (``python -m``)
+
+
 def vllm_rows(points: list[AttentionConfig], repeats: int, threads: int,
               timeout: float = 3600.0) -> list[dict[str, Any]]:
-    """Time vLLM's fused CPU kernel at ``points`` in a process of its own (``bench/vllm_attention.py``), with
-    pagedlib's ``paged``, contiguous SDPA and a copy measured beside it there; ``RuntimeError`` with the
-    child's last words if it fails."""
-    import subprocess
-    import sys
-    import tempfile
-
+    """Time vLLM's fused CPU kernel at ``points`` in a process of its own (``bench/vllm_attention.py``,
+    started and guarded by ``pagedlib.child``), with pagedlib's ``paged``, contiguous SDPA and a copy measured
+    beside it there; ``RuntimeError`` with the child's last words if it fails, ``TimeoutError`` (the child
+    stopped) after ``timeout`` seconds."""
     if not points:
         return []
-    with tempfile.TemporaryDirectory() as tmp:
-        request, result = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
-        with open(request, "w") as f:
-            json.dump({"points": [asdict(p) for p in points], "repeats": repeats, "threads": threads}, f)
-        child = subprocess.run([sys.executable, "-m", "pagedlib.bench.vllm_attention", request, result],
-                               capture_output=True, text=True, timeout=timeout)
-        if child.returncode != 0 or not os.path.exists(result):
-            raise RuntimeError(f"the vLLM attention process failed (exit {child.returncode}):\n"
-                               f"{child.stderr[-2000:]}")
-        with open(result) as f:
-            answer = json.load(f)
+    request = {"points": [asdict(p) for p in points], "repeats": repeats, "threads": threads}
+    try:
+        answer = run_child(VLLM_CHILD, request, timeout)
+    except ChildError as error:
+        raise RuntimeError(f"the vLLM attention process failed: {error}") from None
     return [{**row, "vllm": answer["vllm"]} for row in answer["rows"]]
 
 

