@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import random
 import signal
 import stat
 import struct
@@ -274,3 +275,166 @@ def test_a_file_system_without_hard_links_still_makes_the_manifest_exclusively(t
     assert [p.name for p in (tmp_path / "s").iterdir()] == ["store.json"]
     with pytest.raises(ValueError, match="another model or layout"):
         KVStore(tmp_path / "s", **{**GEOMETRY, "head_dim": 16})
+
+
+# the seeded random fault run
+class Faults:
+    """``os.replace`` and ``os.write`` that fail while ``armed`` (a write after writing half its bytes, as a
+    full disk does), on files under ``root`` only."""
+
+    def __init__(self, monkeypatch, root: Path) -> None:
+        self.armed = None
+        self.root = str(root)
+        self.replace, self.write = os.replace, os.write
+        monkeypatch.setattr(os, "replace", self.fake_replace)
+        monkeypatch.setattr(os, "write", self.fake_write)
+
+    def fake_replace(self, *args, **kwargs):
+        if self.armed == "replace":
+            raise OSError(errno.EIO, "injected: rename failed")
+        return self.replace(*args, **kwargs)
+
+    def fake_write(self, fd, data):
+        if self.armed == "write" and os.readlink(f"/proc/self/fd/{fd}").startswith(self.root):
+            self.write(fd, bytes(data[:len(data) // 2]))
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        return self.write(fd, data)
+
+
+DAMAGE = ["truncate", "garble", "swap", "folder", "fifo", "symlink out", "shard symlink", "empty", "remove",
+          "remove"]  # a damaged regular file is never written over: removing one lets the run write it again
+
+
+def damage(rng: random.Random, store: KVStore, keys: list[str], outside: Path, planted: set) -> None:
+    """Damage one entry (or its shard folder) on disk, as a hostile user or a failing disk would."""
+    key = rng.choice(keys)
+    path = store.path(key)
+    kind = rng.choice(DAMAGE)
+    shard = path.parent
+    if kind == "shard symlink":
+        if shard.is_symlink():
+            shard.unlink()
+            planted.discard(str(shard))
+        elif shard.is_dir():
+            for child in shard.iterdir():  # out of the way: the store's folders hold nothing else
+                child.unlink() if not child.is_dir() or child.is_symlink() else child.rmdir()
+            shard.rmdir()
+            shard.symlink_to(outside / "shard")
+            planted.add(str(shard))
+        return
+    if not shard.is_dir() or shard.is_symlink():
+        return
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+        planted.discard(str(path))
+        return
+    if kind == "remove" and path.is_file():
+        path.unlink()
+    elif kind in ("truncate", "garble", "empty") and path.is_file():
+        data = bytearray(path.read_bytes())
+        if kind == "truncate" and data:
+            data = data[:rng.randrange(len(data))]
+        elif kind == "garble" and data:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data) if kind != "empty" else b"")
+    elif kind == "swap":
+        other = store.path(rng.choice(keys))
+        if path.is_file() and other.is_file() and other != path and not other.parent.is_symlink():
+            tmp = path.with_suffix(".swap")
+            os.rename(path, tmp)
+            os.rename(other, path)
+            os.rename(tmp, other)
+    elif kind == "folder" and not path.exists():
+        path.mkdir()
+    elif kind == "fifo" and not path.exists():
+        os.mkfifo(path)
+    elif kind == "symlink out" and not path.exists():
+        path.symlink_to(outside / "entry.safetensors")  # a sound entry of keys[0], outside the store
+        planted.add(str(path))
+
+
+def check_tree(store: KVStore, parent: Path, outside_before: dict, planted: set) -> None:
+    """Nothing outside the root changed; inside, every path the store made is inside it, no temporary
+    file is left, and the only links are the ones the run planted."""
+    assert tree(parent / "outside") == outside_before
+    assert sorted(p.name for p in parent.iterdir()) == ["outside", "store"]
+    root = os.path.realpath(store.root)
+    for dirpath, dirnames, filenames in os.walk(store.root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            assert not name.endswith(".tmp"), f"a temporary file left behind: {path}"
+            if os.path.islink(path):
+                assert path in planted, f"a link the store made: {path}"
+            else:
+                assert os.path.realpath(path).startswith(root + os.sep)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_puts_gets_and_damage_with_faults_keep_the_store_sound(seed, tmp_path, monkeypatch):
+    rng = random.Random(seed)
+    parent = tmp_path / "parent"
+    outside = parent / "outside"
+    (outside / "shard").mkdir(parents=True)
+    (outside / "secret").write_text("do not touch")
+    store = KVStore(parent / "store", **GEOMETRY)
+    keys = [key_of(n) for n in range(10)]
+    keys += [block_hashes([n, 1, 2, 3], 4)[0] for n in range(40) if block_hashes([n, 1, 2, 3], 4)[0][:2]
+             == keys[0][:2]][:2]  # two more in the first key's shard folder
+    truth = {key: tensors(n) for n, key in enumerate(keys)}
+    KVStore(tmp_path / "scratch", **GEOMETRY).put(keys[0], "", *truth[keys[0]], "test")
+    (KVStore(tmp_path / "scratch", **GEOMETRY).path(keys[0])).rename(outside / "entry.safetensors")
+    outside_before = tree(outside)
+    faults = Faults(monkeypatch, store.root)
+    planted: set[str] = set()
+    foreign = ["../x", "../../outside/secret", "a" * 63, "A" * 64, "", keys[0].upper(), keys[0] + "0"]
+    counts = {"put": 0, "written": 0, "get": 0, "got": 0, "damage": 0, "fault": 0}
+    with no_hang(60):
+        for _ in range(1500):
+            op = rng.choices(["put", "get", "in", "header", "damage", "foreign"], [5, 5, 2, 2, 3, 1])[0]
+            key = rng.choice(keys)
+            if op == "put":
+                counts["put"] += 1
+                faults.armed = rng.choice([None, None, None, "replace", "write"])
+                counts["fault"] += faults.armed is not None
+                try:
+                    written = store.put(key, "", *truth[key], "test")
+                except OSError:
+                    written = False  # a failed write, a folder in the entry's place or a linked shard
+                finally:
+                    faults.armed = None
+                if written:
+                    counts["written"] += 1
+                    got = store.get(key)  # nothing damaged it since
+                    assert all(torch.equal(a, b) for a, b in zip(got, truth[key]))
+            elif op == "get":
+                counts["get"] += 1
+                try:
+                    got = store.get(key)
+                except EntryError:
+                    pass
+                else:
+                    counts["got"] += 1
+                    assert all(torch.equal(a, b) for a, b in zip(got, truth[key]))
+                    path = store.path(key)  # read from a regular file in a plain folder, never through a link
+                    assert stat.S_ISREG(os.lstat(path).st_mode)
+                    assert stat.S_ISDIR(os.lstat(path.parent).st_mode)
+            elif op == "in":
+                path = store.path(key)
+                regular = path.parent.is_dir() and not path.parent.is_symlink() and path.is_file() \
+                    and not path.is_symlink()
+                assert (key in store) == regular
+            elif op == "header":
+                assert store.check_header(key) is None or isinstance(store.check_header(key), str)
+            elif op == "damage":
+                counts["damage"] += 1
+                damage(rng, store, keys, outside, planted)
+            else:
+                bad = rng.choice(foreign)
+                assert bad not in store
+                for call, args in ((store.put, (bad, "", *truth[key], "test")), (store.get, (bad,)),
+                                   (store.check_header, (bad,))):
+                    with pytest.raises(ValueError, match="key"):
+                        call(*args)
+            check_tree(store, parent, outside_before, planted)
+    assert min(counts.values()) > 0, counts  # every kind of step happened
