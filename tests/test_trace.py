@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import re
 import sys
@@ -119,6 +120,12 @@ BAD_LINES = {
                      "hash_ids must be a list of integers"),
     "repeated id": ('{"timestamp": 0, "input_length": 7, "output_length": 3, "hash_ids": [1, 2, 1]}',
                     "repeats an id"),
+    "deeply nested": ("[" * 100_000, "not a trace record (JSON nested too deeply)"),  # json recurses
+    **({"huge integer": ('{"timestamp": ' + "9" * 5000 + ', "input_length": 7, "output_length": 3, '
+                         '"hash_ids": []}', "not a trace record (Exceeds the limit")}
+       if sys.version_info >= (3, 11) else {}),  # json's int conversion has a limit on digits since 3.11
+    "nested ids": ('{"timestamp": 0, "input_length": 7, "output_length": 3, "hash_ids": ' + "[" * 400
+                   + "]" * 400 + "}", "hash_ids must be a list of integers, got [[[[[[[...]]]]]]]"),
 }
 
 
@@ -145,6 +152,16 @@ def test_a_missing_file_is_a_trace_error(tmp_path):
         read_trace(tmp_path / "absent.jsonl")
     with pytest.raises(TraceError, match="a folder"):
         read_trace(tmp_path)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="FIFOs")
+def test_a_fifo_is_not_a_regular_file_and_is_never_opened(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    os.mkfifo(path)  # opening it for reading would wait for a writer
+    with pytest.raises(TraceError, match=f"^{re.escape(str(path))}: not a regular file$"):
+        read_trace(path)
+    code, stdout, stderr = run_bench([str(path), "--blocks", "4"], capsys)
+    assert code == 2 and stderr.strip().endswith(f"{path}: not a regular file") and not stdout
 
 
 def test_a_file_not_in_utf8_is_refused(tmp_path):
@@ -245,7 +262,7 @@ def apply(cache: HostCache, operation: tuple, reserved: list, stored: list, load
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
-@given(capacity=st.integers(1, 6), policy=st.sampled_from(POLICIES), operations=OPERATIONS)
+@given(capacity=st.integers(1, 6), policy=st.sampled_from(sorted(POLICIES)), operations=OPERATIONS)
 def test_host_cache_keeps_its_invariants(capacity, policy, operations):
     cache = HostCache(capacity, policy)
     reserved: list[list[int]] = []
@@ -342,7 +359,7 @@ def oracle(mooncake):
         runs["tail", 3, policy] = (TAIL_FIRST, 3, policy)
     rng = random.Random(20250213)
     for k in range(300):
-        policy = POLICIES[k % 2]
+        policy = tuple(POLICIES)[k % 2]
         requests = shared_prefix_trace(rng, rng.randrange(5, 80))
         runs["random", k, policy] = (requests, rng.randrange(1, 16), policy)
     return runs, dict(zip(runs, vllm_manager_runs(list(runs.values()))))
@@ -482,6 +499,8 @@ def test_bench_trace_refuses_a_bad_file_in_one_line(kind, tmp_path, capsys):
     (["--blocks", "4", "--policy", "fifo"], "argument --policy"),
     (["--blocks", "4", "--policy", "arc"], "give --host-blocks"),
     (["--blocks", "4", "--limit", "0"], "argument --limit"),
+    (["--blocks", "9" * 30], f"--blocks {'9' * 30} and --host-blocks 0 needs about"),  # no OverflowError
+    (["--blocks", "4", "--host-blocks", str(10**15)], f"--blocks 4 and --host-blocks {10**15} needs about"),
 ])
 def test_bench_trace_flags_are_usage_errors(flags, message, tmp_path, capsys):
     path = tmp_path / "t.jsonl"

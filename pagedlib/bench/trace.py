@@ -7,13 +7,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedlib.bench.timing import non_negative_int, positive_int, print_table, writable_path, write_json
+from pagedlib.bench.timing import (
+    check_fits,
+    non_negative_int,
+    positive_int,
+    print_table,
+    writable_path,
+    write_json,
+)
 from pagedlib.kv_transfer.policies import POLICIES
 from pagedlib.sim.trace import MOONCAKE_TRACE, WRITES, TraceError, read_trace, replay
 
 COLUMNS = ["requests", "blocks", "hit_rate", "device_hit_rate", "host_hit_rate", "ceiling", "saved_tokens",
            "tokens"]
 PROGRESS_FROM = 1000  # requests: a shorter replay takes well under a second and shows no bar
+BLOCK_BYTES = 40  # a tier's memory per block before it holds any: a free-slot list entry and its int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +46,10 @@ def main(args: argparse.Namespace) -> int:
     if not args.host_blocks and (args.policy or args.write):
         args.parser.error("--policy and --write choose how the host tier works: give --host-blocks too")
     args.policy, args.write = args.policy or "lru", args.write or "through"
+    # like bench alloc's sizes, the tiers are bounded by the machine's memory: a usage error, not a
+    # MemoryError or an OverflowError once the trace is read
+    check_fits(BLOCK_BYTES * (args.blocks + args.host_blocks),
+               f"--blocks {args.blocks} and --host-blocks {args.host_blocks}", "cpu", args.parser.error)
     try:
         requests = read_trace(args.file, limit=args.limit)
     except TraceError as error:  # the file and line at fault, no traceback

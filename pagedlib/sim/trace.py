@@ -11,6 +11,9 @@ which vLLM's free block queue evicts (least recently freed first, a request's ta
 from __future__ import annotations
 
 import json
+import os
+import reprlib
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +46,10 @@ def parse_line(line: str, number: int, name: str = "trace") -> TraceRequest:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise TraceError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:  # a line of [[[[...: json recurses once a level
+        raise TraceError(f"{where}: not a trace record (JSON nested too deeply)") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise TraceError(f"{where}: not a trace record ({error})") from None
     if not isinstance(record, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
     missing = [key for key in TraceRequest._fields if key not in record]
@@ -52,11 +59,11 @@ def parse_line(line: str, number: int, name: str = "trace") -> TraceRequest:
     for key in ("timestamp", "input_length", "output_length"):
         value = record[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TraceError(f"{where}: {key} must be an integer >= 0, got {value!r}")
+            raise TraceError(f"{where}: {key} must be an integer >= 0, got {reprlib.repr(value)}")
         values.append(value)
     ids = record["hash_ids"]
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise TraceError(f"{where}: hash_ids must be a list of integers, got {str(ids)[:60]}")
+        raise TraceError(f"{where}: hash_ids must be a list of integers, got {reprlib.repr(ids)}")
     if len(set(ids)) != len(ids):
         raise TraceError(f"{where}: hash_ids repeats an id: an id names a block and its whole prefix")
     return TraceRequest(*values, tuple(ids))
@@ -67,12 +74,19 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     path = Path(path)
     if limit is not None:
         limit = as_int("limit", limit, minimum=1)
-    if path.is_dir():
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise TraceError(f"{path}: no such file") from None
+    if stat.S_ISDIR(mode):
         raise TraceError(f"{path}: a folder, not a trace file")
-    if not path.is_file():
-        raise TraceError(f"{path}: no such file")
+    if not stat.S_ISREG(mode):  # a FIFO or a device: never opened (reading a FIFO waits for a writer)
+        raise TraceError(f"{path}: not a regular file")
     requests = []
-    with path.open("rb") as file:
+    # never blocking: a FIFO swapped in since the stat does not hang the open (and is refused)
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise TraceError(f"{path}: not a regular file")
         for number, raw in enumerate(file, 1):
             if limit is not None and len(requests) == limit:
                 break
