@@ -14,7 +14,7 @@ import json
 import os
 import reprlib
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -207,8 +207,3 @@ def serve(number: int, ids: list[int], device: HostCache, host: HostCache | None
         host.finish(number)
     return d, h
 
-
-def capacity_sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], **options: object
-                   ) -> list[ReplayResult]:
-    """``replay`` at each device capacity of ``capacities`` (the other options as given)."""
-    return [replay(requests, capacity, **options) for capacity in capacities]  # type: ignore[arg-type]

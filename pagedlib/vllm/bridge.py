@@ -137,7 +137,8 @@ def _installed_version() -> str | None:
 
 def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
     """The shared settings of an ``Engine`` built with a token budget (vLLM V1 has no whole-prompt mode):
-    every setting that changes a decision, or ``ValueError`` naming one vLLM cannot take."""
+    every setting that changes a decision, or ``ValueError`` naming one vLLM cannot take (the block size
+    and the budget against ``max_num_seqs`` are ``BridgeConfig``'s own checks)."""
     from pagedlib.engine import Engine
 
     if not isinstance(engine, Engine):
@@ -147,9 +148,6 @@ def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
     if budget is None:
         raise ValueError("the engine runs whole prompts (max_num_batched_tokens=None); vLLM V1 always "
                          "chunks them: build the Engine with max_num_batched_tokens to compare")
-    if config.max_num_seqs > budget:
-        raise ValueError(f"vLLM needs max_num_batched_tokens ({budget}) >= max_num_seqs "
-                         f"({config.max_num_seqs}): build the Engine with max_num_seqs <= its token budget")
     if config.kv_cache_dtype not in (None, engine.model.dtype):
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype}: the bridge runs vLLM with the model's "
                          f"own dtype only; compare fp8 caches by their tokens (notebook 10)")
@@ -157,8 +155,6 @@ def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
         raise ValueError("the engine has a host tier (host_blocks, preemption='swap'): vLLM's offloading "
                          "connector does not run on its CPU backend; compare tokens with an engine "
                          "without one (notebook 13)")
-    if config.block_size % 32:
-        raise ValueError(f"block_size={config.block_size}: vLLM's CPU attention takes multiples of 32 only")
     theirs = json.loads((Path(model) / "config.json").read_text())
     shape = engine.model.shape
     ours = {"vocab_size": shape.vocab_size, "num_hidden_layers": shape.num_layers,
