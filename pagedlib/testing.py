@@ -296,24 +296,11 @@ def check_host(scheduler: Any) -> None:
 
 
 def _check_host_slots(scheduler: Any, host: Any, swapped: dict) -> None:
-    cache = host.cache
-    places = [("free", slot) for slot in cache.free_slots]
-    places += [(f"key {key!r}", slot) for key, slot in cache.slots.items()]
-    places += [(f"request {req_id}", slot) for req_id, slots in swapped.items() for slot in slots]
-    seen: dict[int, str] = {}
-    for where, slot in places:
-        if slot in seen:
-            raise InvariantError(f"host: slot {slot} is in two places: {seen[slot]} and {where}")
-        seen[slot] = where
-    if len(seen) != cache.capacity or set(seen) != set(range(cache.capacity)):
-        raise InvariantError(f"host: slots lost: {cache.capacity} in the tier, {len(seen)} accounted for")
-    if cache.reserved != sum(len(slots) for slots in swapped.values()):
-        raise InvariantError(f"host: {cache.reserved} slots reserved but swapped requests hold "
-                             f"{sum(len(slots) for slots in swapped.values())}")
-    if cache.pinned and scheduler.plan is None:
-        raise InvariantError(f"host: keys still pinned between steps: {list(cache.pinned)[:4]}")
-    if set(cache.policy.keys()) != set(cache.slots) or len(cache.policy) != len(cache.slots):
-        raise InvariantError("host: the policy's keys are not the cached blocks' keys")
+    problem = host.cache.check(swapped)  # every slot in one place; the policy's keys the cached ones
+    if problem is not None:
+        raise InvariantError(f"host: {problem}")
+    if host.cache.pinned and scheduler.plan is None:
+        raise InvariantError(f"host: keys still pinned between steps: {list(host.cache.pinned)[:4]}")
 
 
 def _check_swapped(scheduler: Any, swapped: dict) -> None:

@@ -270,7 +270,7 @@ def test_host_cache_keeps_its_invariants(capacity, policy, operations):
     loading: list[list[int]] = []
     for operation in operations:
         apply(cache, operation, reserved, stored, loading)
-        cache.check()
+        assert cache.check() is None, cache.check()
         assert all(key in cache for keys in loading for key in keys), "a pinned key was evicted"
         assert cache.reserved == sum(map(len, reserved))
         assert len(cache) <= capacity - cache.reserved

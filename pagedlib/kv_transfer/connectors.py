@@ -53,6 +53,8 @@ class BlockConnector(KVConnector):
         return keys[:n]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Whole blocks after the prefix cache's ``num_computed_tokens``, as many as ``has`` finds in a row,
+        before the block of the request's last token (``rules``); none for a producer, which only saves."""
         if self.role == "producer" or request.prompt_tokens is None:
             return 0
         keys = self.block_keys(request, rules.offer_stop(request.num_tokens, self.block_size))

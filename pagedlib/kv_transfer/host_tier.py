@@ -186,14 +186,27 @@ class HostCache:
         self.free_slots.extend(reversed(slots))
         self.reserved -= len(slots)
 
-    def check(self) -> None:
-        """``AssertionError`` unless every slot is in exactly one place: free, a key's, or reserved."""
-        used = list(self.slots.values())
-        assert len(set(used)) == len(used), "two keys share a slot"
-        assert not set(used) & set(self.free_slots), "a key's slot is also free"
-        assert len(set(self.free_slots)) == len(self.free_slots), "a slot is free twice"
-        assert len(used) + len(self.free_slots) + self.reserved == self.capacity, "slots lost"
-        assert set(self.policy.keys()) == set(self.slots), "the policy and the slots disagree"
+    def check(self, swapped: dict[Hashable, Sequence[int]] | None = None) -> str | None:
+        """The first broken invariant, in words (``None``: all hold): every slot in exactly one place (free,
+        a key's, or held outside the policy: by ``swapped``'s requests if given, else ``reserved`` of them
+        counted), and the policy knowing exactly the cached keys."""
+        places = [("free", slot) for slot in self.free_slots]
+        places += [(f"key {key!r}", slot) for key, slot in self.slots.items()]
+        places += [(f"request {req}", slot) for req, slots in (swapped or {}).items() for slot in slots]
+        seen: dict[int, str] = {}
+        for where, slot in places:
+            if slot in seen:
+                return f"slot {slot} is in two places: {seen[slot]} and {where}"
+            seen[slot] = where
+        held = len(seen) if swapped is not None else len(seen) + self.reserved
+        if held != self.capacity or not set(seen) <= set(range(self.capacity)):
+            return f"slots lost: {self.capacity} in the tier, {held} accounted for"
+        held_out = None if swapped is None else sum(map(len, swapped.values()))
+        if held_out is not None and self.reserved != held_out:
+            return f"{self.reserved} slots reserved but swapped requests hold {held_out}"
+        if set(self.policy.keys()) != set(self.slots) or len(self.policy) != len(self.slots):
+            return "the policy's keys are not the cached blocks' keys"
+        return None
 
 
 class HostTier:
