@@ -50,13 +50,14 @@ class BlockKey:
 
 
 def chained_keys(token_ids: Sequence[int], block_size: int, stop: int | None = None,
-                 link: Callable[[Any, tuple[int, ...]], Any] = BlockKey) -> Iterator[Any]:
-    """The keys of the full blocks of ``token_ids`` (the first ``stop`` at most), each ``link(parent key or
-    None, the block's token ids)``: a ``BlockKey``, or a store's hash (``kv_transfer.store.block_hashes``).
-    Lazy: a lookup that stops at its first miss makes no key after it."""
+                 link: Callable[[Any, tuple[int, ...]], Any] = BlockKey, start: int = 0,
+                 parent: Any = None) -> Iterator[Any]:
+    """The keys of the full blocks of ``token_ids`` from block ``start`` (``parent``: the key of the block
+    before it) to block ``stop`` at most, each ``link(parent key or None, the block's token ids)``: a
+    ``BlockKey``, or a store's hash (``kv_transfer.store.block_hash``). Lazy: a lookup that stops at its first
+    miss makes no key after it; a caller that kept the keys so far extends them without making them again."""
     full = len(token_ids) // block_size
-    parent = None
-    for index in range(full if stop is None else min(stop, full)):
+    for index in range(start, full if stop is None else min(stop, full)):
         parent = link(parent, tuple(token_ids[index * block_size:(index + 1) * block_size]))
         yield parent
 

@@ -11,26 +11,29 @@ scheduler side only decides and books; every copy happens on the worker side, in
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedlib.core.connector import ConnectorMeta, KVConnector, LoadFailed, Transfer
 from pagedlib.core.kv_pool import KVPool
-from pagedlib.core.prefix_cache import chained_keys
+from pagedlib.core.prefix_cache import BlockKey, chained_keys
 from pagedlib.kv_transfer import rules
 from pagedlib.kv_transfer.host_tier import HostTier
-from pagedlib.kv_transfer.store import DTYPES, EntryError, KVStore, block_hashes
+from pagedlib.kv_transfer.store import DTYPES, EntryError, KVStore, block_hash
 
 WRITES = ("through", "victim", "none")  # when the host tier stores a block
 
 
 class BlockConnector(KVConnector):
-    """What both connectors share: each request's keys (``make_keys``), the offer rule over ``has``, the
-    loads decided at admission and the saves of the blocks each step fills."""
+    """What both connectors share: each request's chained block keys (made by ``link``, as
+    ``core.prefix_cache.chained_keys`` chains them), the offer rule over ``has``, the loads decided at
+    admission and the saves of the blocks each step fills."""
 
-    def __init__(self, block_size: int, role: str = "both") -> None:
+    def __init__(self, block_size: int, link: Callable[[Any, tuple[int, ...]], Any], role: str = "both"
+                 ) -> None:
         super().__init__(block_size, role)
+        self.link = link  # a block's key from its parent's and its token ids
         self.keys: dict[Hashable, list] = {}         # each request's full blocks' keys, so far
         self.pending: dict[Hashable, Transfer] = {}  # loads decided, not yet in a step's meta
         self.loaded_tokens = 0
@@ -41,15 +44,12 @@ class BlockConnector(KVConnector):
         """Whether the connector can supply the block ``key``."""
         raise NotImplementedError
 
-    def make_keys(self, token_ids: Any, n: int) -> list:
-        """The chained keys of the first ``n`` full blocks of ``token_ids``."""
-        raise NotImplementedError
-
     def block_keys(self, request: Any, n: int) -> list:
-        """The keys of ``request``'s first ``n`` full blocks (kept between steps)."""
+        """The keys of ``request``'s first ``n`` full blocks (kept between steps, extended as it grows)."""
         keys = self.keys.setdefault(request.req_id, [])
         if len(keys) < n:
-            keys[:] = self.make_keys(request.token_ids, n)
+            keys += chained_keys(request.token_ids, self.block_size, n, self.link, len(keys),
+                                 keys[-1] if keys else None)
         return keys[:n]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -111,7 +111,7 @@ class StoreConnector(BlockConnector):
     def __init__(self, store: KVStore, role: str = "both") -> None:
         if not isinstance(store, KVStore):
             raise TypeError(f"store must be a KVStore, got {type(store).__name__}")
-        super().__init__(store.block_size, role)
+        super().__init__(store.block_size, block_hash, role)
         self.store = store
         self.bad: dict[str, str] = {}  # key -> why its entry cannot be used
         self.save_failures = 0
@@ -129,9 +129,6 @@ class StoreConnector(BlockConnector):
         if wrong:
             raise ValueError(f"the KV store at {self.store.root} holds blocks of another shape: (this cache, "
                              f"the store) differ in {wrong}")
-
-    def make_keys(self, token_ids: Any, n: int) -> list:
-        return block_hashes(token_ids, self.block_size, n)
 
     def has(self, key: str) -> bool:
         if key in self.bad or key not in self.store:
@@ -212,7 +209,7 @@ class HostConnector(BlockConnector):
             raise TypeError(f"tier must be a HostTier, got {type(tier).__name__}")
         if write not in WRITES:
             raise ValueError(f"write must be one of {WRITES}, got {write!r}")
-        super().__init__(tier.k.shape[2], "both")
+        super().__init__(tier.k.shape[2], BlockKey)  # keys as the prefix cache's
         self.tier = tier
         self.write = write
         self.swap = bool(swap)
@@ -231,9 +228,6 @@ class HostConnector(BlockConnector):
                 raise ValueError("host_write='victim' stores the blocks the prefix cache evicts: it needs "
                                  "enable_prefix_caching=True")
             cache.manager.on_evict = self.evicted  # vLLM's connectors see the block pool's events
-
-    def make_keys(self, token_ids: Any, n: int) -> list:
-        return list(chained_keys(token_ids, self.block_size, n))  # BlockKeys, as the prefix cache's
 
     def has(self, key: Any) -> bool:
         return key in self.tier.cache

@@ -62,8 +62,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from pagedlib.core.prefix_cache import chained_keys
 from pagedlib.kv_transfer import rules
-from pagedlib.kv_transfer.store import EntryError, KVStore, block_hashes, model_fingerprint
+from pagedlib.kv_transfer.store import EntryError, KVStore, block_hash, block_hashes, model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -184,11 +185,20 @@ class StorePlan(KVConnectorMetadata):
 
 @dataclass
 class _Tracked:
-    """The scheduler side's view of one running request: its block ids and how many blocks were saved."""
+    """The scheduler side's view of one running request: its block ids, how many blocks were saved, and its
+    full blocks' keys so far (extended as it grows, never made again)."""
 
     request: Any
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
+    keys: list[str] = field(default_factory=list)
+
+    def block_keys(self, n: int, block_size: int) -> list[str]:
+        keys = self.keys
+        if len(keys) < n:
+            keys += chained_keys(list(self.request.all_token_ids), block_size, n, block_hash, len(keys),
+                                 keys[-1] if keys else None)
+        return keys
 
 
 # ---- the connector ---------------------------------------------------------------------------------------
@@ -308,7 +318,7 @@ class PagedlibConnector(KVConnectorBase_V1):
             filled = rules.filled(tracked.saved * self.block_size, tokens, self.block_size)
             if not filled:
                 continue
-            keys = block_hashes(list(tracked.request.all_token_ids), self.block_size, filled.stop)
+            keys = tracked.block_keys(filled.stop, self.block_size)
             for index in filled:
                 if keys[index] not in planned and keys[index] not in self.store:
                     planned.add(keys[index])
