@@ -3,6 +3,9 @@ attention over shared tables equal to attention over each sequence's own contigu
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 import torch
 from helpers import assert_unchanged, snapshot
@@ -10,7 +13,9 @@ from helpers import assert_unchanged, snapshot
 import pagedlib  # noqa: F401  (sets TRITON_INTERPRET=1 before triton's first import when there is no CUDA)
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache, UnknownSequenceError
 from pagedlib.core.prefix_cache import BlockKey
+from pagedlib.core.request import Request
 from pagedlib.kernels.attention import contiguous_attention, paged_attention
+from pagedlib.kv_transfer.store import block_hashes
 from pagedlib.testing import block_holders, check_invariants, fill_unused
 
 L, BS, H, D = 2, 4, 2, 8
@@ -204,17 +209,41 @@ def test_blocks_are_found_by_the_whole_prefix_not_one_block():
     assert c.add_sequence("b", [0, 0, 0, 0, 5, 6, 7, 8, 9]) == 0  # same second block, other prefix
 
 
-def test_a_hash_collision_cannot_match_other_content():
+def test_a_key_is_its_whole_prefix_digested_once():
     a, b = BlockKey(None, (1, 2)), BlockKey(None, (3, 4))
     child_a, child_b = BlockKey(a, (5, 6)), BlockKey(b, (5, 6))
-    child_b.hash = child_a.hash  # force the collision the hash alone could not rule out
-    assert child_a != child_b and BlockKey(a, (5, 6)) == child_a
-    c = make(enable_prefix_caching=True)
-    prefill(c, "x", [1, 2, 3, 4, 5])
-    key = c.prefix_cache.keys[c.tables["x"][0]]
-    fake = BlockKey(None, (9, 9, 9, 9))
-    fake.hash = key.hash
-    assert c.prefix_cache.blocks.get(fake) is None and c.add_sequence("y", [9, 9, 9, 9, 1]) == 0
+    assert child_a != child_b and BlockKey(a, (5, 6)) == child_a  # same tokens, other prefix: another key
+    assert block_hashes([1, 2, 5, 6, 7], 2) == [a.digest, child_a.digest]  # the store's entry names too
+    head = hashlib.sha256(struct.pack("<2q", 1, 2)).digest()
+    assert child_a.digest == hashlib.sha256(head + struct.pack("<2q", 5, 6)).hexdigest()
+    twin = BlockKey(BlockKey(None, (1, 2)), (5, 6))  # equal content, other objects all the way down
+    a.parent = twin.parent.parent = object()  # a walk of the prefixes would now fail: equality never walks
+    assert twin == child_a and hash(twin) == hash(child_a)
+
+
+def test_a_lookup_probes_each_block_once(monkeypatch):
+    """Linear in the prompt's blocks: one key comparison per block found (a comparison that walked the
+    prefix, or a key rebuilt from the first block at each probe, would make it quadratic)."""
+    made, compared = [], []
+    real_init, real_eq = BlockKey.__init__, BlockKey.__eq__
+    monkeypatch.setattr(BlockKey, "__init__", lambda self, *a: (made.append(1), real_init(self, *a))[1])
+    monkeypatch.setattr(BlockKey, "__eq__", lambda self, other: (compared.append(1), real_eq(self, other))[1])
+    for blocks in (50, 400):
+        c = PagedKVCache(blocks + 2, L, 1, H, D, enable_prefix_caching=True)
+        prompt = [t % 7 for t in range(blocks + 1)]
+        c.add_sequence("a", prompt)
+        c.append_tokens("a", torch.zeros(L, len(prompt), H, D), torch.zeros(L, len(prompt), H, D),
+                        token_ids=prompt)
+        made.clear(), compared.clear()
+        assert c.manager.prefix_cache.peek(prompt) == c.tables["a"][:blocks]
+        assert len(made) == blocks and len(compared) == blocks
+    request, expected = Request(0, 0, 9, 4, tuple(range(9))), block_hashes(range(9), 2)
+    made.clear()
+    for _ in range(3):  # a waiting request is looked up at every step: its keys are made once
+        assert [k.digest for k in request.block_keys(2, 4)] == expected
+    request.output_tokens += [9, 10]
+    assert len(request.block_keys(2, 9)) == 5 and len(made) == 5
+    assert len(request.block_keys(4, 9)) == 2 and len(made) == 7  # another block size: its own keys
 
 
 def test_freed_cached_blocks_stay_findable_until_the_pool_needs_them():
@@ -344,3 +373,21 @@ def test_triton_kernel_over_shared_tables_equals_contiguous():
         out = triton_decode.paged_attention_triton(q, *c.layer(layer), c.block_table(ids),
                                                       c.seq_lens_tensor(ids))
         torch.testing.assert_close(out, contiguous_reference(c, ids, layer, q), atol=1e-5, rtol=1e-5)
+
+
+def test_a_waiting_request_is_hashed_once_however_long_it_waits(monkeypatch):
+    """The scheduler looks a waiting request up at every step; its keys are made once (Request.block_keys):
+    the keys made in a whole run are at most those of each request's blocks, once for its lookups and
+    once when the blocks it fills are registered (making them at every lookup would be many times more)."""
+    from pagedlib.sim import workloads
+    from pagedlib.sim.simulate import new_scheduler, serve
+
+    made = []
+    real_init = BlockKey.__init__
+    monkeypatch.setattr(BlockKey, "__init__", lambda self, *a: (made.append(1), real_init(self, *a))[1])
+    requests = workloads.shared_prompt_like(24, 0, system_len=64, num_system_prompts=2)
+    scheduler = new_scheduler(requests, "paged", 40, 16, enable_prefix_caching=True)
+    result = serve(scheduler, list(requests))
+    assert result.mean_running < len(requests)  # the pool is tight: requests waited for steps
+    bound = sum(2 * (r.prompt_len + r.output_len) // 16 for r in requests)
+    assert 0 < len(made) <= bound

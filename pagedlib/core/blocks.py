@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pagedlib.core._checks import InvariantError, OutOfBlocksError, what_for  # noqa: F401 (re-exported)
-from pagedlib.core.prefix_cache import PrefixCache
+from pagedlib.core.prefix_cache import BlockKey, PrefixCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
 
@@ -131,12 +131,14 @@ class BlockManager:
         self.free.extend(reversed(plain))
         return freed[::-1]
 
-    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
-        """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching). Returns the
-        tokens found: a multiple of ``block_size``, at most ``len(prompt) - 1``."""
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = (),
+                     keys: Sequence[BlockKey] | None = None) -> int:
+        """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching; ``keys``:
+        their block keys, if the caller keeps them). Returns the tokens found: a multiple of
+        ``block_size``, at most ``len(prompt) - 1``."""
         found = []
         if self.prefix_cache is not None and prompt:
-            found = self.prefix_cache.lookup(prompt)
+            found = self.prefix_cache.lookup(prompt, keys)
         self.share(found)
         length = len(found) * self.block_size
         self.tables[seq_id] = found

@@ -4,10 +4,12 @@ computing its K/V again; a registered block nobody holds waits in ``free_queue``
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedlib import figures
 from pagedlib.core import _checks as checks
@@ -15,50 +17,40 @@ from pagedlib.util import as_int
 
 
 class BlockKey:
-    """A full block's content: its token ids after the block ``parent`` (``None`` for the first). It hashes
-    as vLLM's block hash, ``hash((parent hash, token ids))``; equality compares the token ids of the whole
-    prefix, so a hash collision can never attach the wrong K/V."""
+    """A full block's content: its token ids after the block ``parent`` (``None`` for the first). Its
+    ``digest``, SHA-256 (hex) of its parent's digest (nothing for the first block) and its token ids as
+    little-endian 64-bit integers, is computed once, when the key is made, and stands for the whole prefix:
+    keys hash and compare by digest alone, as vLLM's block hashes do (SHA-256 by default in vLLM 0.32.0), so
+    a comparison costs the same at block 1 and block 1,000 (two different prefixes with the same digest
+    would be a SHA-256 collision). The prefix cache, the host tier and the file store (whose entries the
+    digests name) all key blocks by it. ``parent`` and ``tokens`` stay for the pictures of the chain."""
 
-    __slots__ = ("hash", "parent", "tokens")
+    __slots__ = ("digest", "parent", "tokens")
 
     def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...]) -> None:
         self.parent = parent
         self.tokens = tokens
-        parent_hash = 0
-        if parent is not None:
-            parent_hash = parent.hash
-        self.hash = hash((parent_hash, tokens))
+        head = bytes.fromhex(parent.digest) if parent is not None else b""
+        self.digest = hashlib.sha256(head + struct.pack(f"<{len(tokens)}q", *tokens)).hexdigest()
 
     def __hash__(self) -> int:
-        return self.hash
+        return hash(self.digest)
 
     def __eq__(self, other: object) -> bool:
-        mine: object = self
-        theirs = other
-        # walk both prefixes back to a shared ancestor (usually at once: the same)
-        while mine is not theirs:
-            if not (isinstance(mine, BlockKey) and isinstance(theirs, BlockKey)):
-                return False
-            if mine.tokens != theirs.tokens:
-                return False
-            mine = mine.parent
-            theirs = theirs.parent
-        return True
+        return isinstance(other, BlockKey) and self.digest == other.digest
 
     def __repr__(self) -> str:
-        return f"BlockKey({self.hash:#x}, tokens={list(self.tokens)})"
+        return f"BlockKey({self.digest[:12]}..., tokens={list(self.tokens)})"
 
 
-def chained_keys(token_ids: Sequence[int], block_size: int, stop: int | None = None,
-                 link: Callable[[Any, tuple[int, ...]], Any] = BlockKey, start: int = 0,
-                 parent: Any = None) -> Iterator[Any]:
+def chained_keys(token_ids: Sequence[int], block_size: int, stop: int | None = None, start: int = 0,
+                 parent: BlockKey | None = None) -> Iterator[BlockKey]:
     """The keys of the full blocks of ``token_ids`` from block ``start`` (``parent``: the key of the block
-    before it) to block ``stop`` at most, each ``link(parent key or None, the block's token ids)``: a
-    ``BlockKey``, or a store's hash (``kv_transfer.store.block_hash``). Lazy: a lookup that stops at its first
-    miss makes no key after it; a caller that kept the keys so far extends them without making them again."""
+    before it) to block ``stop`` at most. Lazy: a lookup that stops at its first miss makes no key after it;
+    a caller that kept the keys so far extends them without making them again."""
     full = len(token_ids) // block_size
     for index in range(start, full if stop is None else min(stop, full)):
-        parent = link(parent, tuple(token_ids[index * block_size:(index + 1) * block_size]))
+        parent = BlockKey(parent, tuple(token_ids[index * block_size:(index + 1) * block_size]))
         yield parent
 
 
@@ -79,25 +71,25 @@ class PrefixCache:
     def __post_init__(self) -> None:
         self.block_size = as_int("block_size", self.block_size, minimum=1)
 
-    def peek(self, token_ids: Sequence[int]) -> list[int]:
+    def peek(self, token_ids: Sequence[int], keys: Iterable[BlockKey] | None = None) -> list[int]:
         """The registered blocks holding the longest run of full leading blocks of ``token_ids``, at most
-        ``len(token_ids) - 1`` tokens (the last one is computed for its logits). Counts nothing."""
-        block_size = self.block_size
+        ``len(token_ids) - 1`` tokens (the last one is computed for its logits). ``keys``: those blocks'
+        keys if the caller keeps them (a scheduler's request makes each once, ``Request.block_keys``);
+        otherwise made here, one per block walked. One dictionary probe per block. Counts nothing."""
+        stop = (len(token_ids) - 1) // self.block_size
+        if keys is None:
+            keys = chained_keys(token_ids, self.block_size, stop)
         found: list[int] = []
-        parent = None
-        for index in range((len(token_ids) - 1) // block_size):
-            page = tuple(token_ids[index * block_size:(index + 1) * block_size])
-            key = BlockKey(parent, page)
+        for key in itertools.islice(keys, stop):
             holders = self.blocks.get(key)
             if not holders:
                 break
             found.append(next(iter(holders)))
-            parent = key
         return found
 
-    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], keys: Iterable[BlockKey] | None = None) -> list[int]:
         """``peek``, counted in the statistics (``queried_tokens``, ``hit_tokens``)."""
-        found = self.peek(token_ids)
+        found = self.peek(token_ids, keys)
         self.queried_tokens += len(token_ids)
         self.hit_tokens += len(found) * self.block_size
         return found

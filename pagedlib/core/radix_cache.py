@@ -67,11 +67,12 @@ class RadixCache:
             matched += 1
         return found, node, matched
 
-    def peek(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks holding the longest run of full leading blocks of ``token_ids``."""
+    def peek(self, token_ids: Sequence[int], keys: object = None) -> list[int]:
+        """The cached blocks holding the longest run of full leading blocks of ``token_ids`` (``keys``, the
+        hash cache's block keys, go unused: the tree walks token ids)."""
         return self.match_prefix(token_ids)[0]
 
-    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], keys: object = None) -> list[int]:
         """``peek``, counted in the statistics; the path it took becomes the most recently used (a partly
         matched node is split first, so its unmatched tail keeps its age)."""
         found, node, matched = self.match_prefix(token_ids)

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 
 from pagedlib.core import _checks as checks
+from pagedlib.core.prefix_cache import BlockKey, chained_keys
 
 
 class Status(enum.Enum):
@@ -38,6 +39,7 @@ class Request:
         self.num_computed_tokens = 0  # K/V computed: stored, or found cached
         self.lost_tokens = 0  # K/V its last preemption threw away
         self.status = Status.WAITING
+        self._keys: dict[int, list[BlockKey]] = {}  # per block size: its full blocks' keys so far
 
     @property
     def num_tokens(self) -> int:  # prompt and generated
@@ -57,6 +59,14 @@ class Request:
         if self.prompt_tokens is None:
             raise ValueError(f"request {self.req_id} has no prompt_tokens")
         return list(self.prompt_tokens) + self.output_tokens
+
+    def block_keys(self, block_size: int, n: int) -> list[BlockKey]:
+        """The chained keys of its first ``n`` full blocks (fewer if it has fewer), each made once: kept and
+        extended as it grows, as vLLM's ``Request.block_hashes``. The prefix cache's lookups and the
+        connectors read the same keys."""
+        keys = self._keys.setdefault(block_size, [])
+        keys += chained_keys(self.token_ids, block_size, n, len(keys), keys[-1] if keys else None)
+        return keys[:n]
 
     def next_token_ids(self, n: int) -> list[int]:
         """The ids of the ``n`` tokens after those computed."""

@@ -13,6 +13,7 @@ from pagedlib.core import _scheduler_checks as checks
 from pagedlib.core.blocks import Reservation
 from pagedlib.core.cache import Batch, PagedKVCache
 from pagedlib.core.connector import ConnectorMeta, KVConnector
+from pagedlib.core.prefix_cache import BlockKey
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.core.request import Request, Status
 from pagedlib.util import ceil_div
@@ -265,7 +266,7 @@ class Scheduler:
         prefix_cache = self.cache.prefix_cache
         found: list[int] = []
         if prefix_cache is not None:
-            found = prefix_cache.peek(request.token_ids)
+            found = prefix_cache.peek(request.token_ids, self.prompt_keys(request))
         external = 0
         if self.connector is not None:
             external = self.connector.get_num_new_matched_tokens(request, len(found) * self.block_size)
@@ -274,6 +275,13 @@ class Scheduler:
         if isinstance(prefix_cache, RadixCache) and not external:
             tokens += prefix_cache.partial_match(request.token_ids, found, self.journal.registered)[1]
         return found, tokens, external
+
+    def prompt_keys(self, request: Request) -> list[BlockKey] | None:
+        """The block keys a hash-cache lookup walks for ``request``, made once per request (vLLM hashes a
+        request's blocks as its tokens arrive); none for the radix tree, which walks token ids."""
+        if isinstance(self.cache.prefix_cache, RadixCache):
+            return None
+        return request.block_keys(self.block_size, (request.num_tokens - 1) // self.block_size)
 
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         """vLLM 0.32.0's admission test (``KVCacheManager.allocate_slots``): the blocks a sequence of
@@ -292,7 +300,7 @@ class Scheduler:
         if self.cache.prefix_cache is None:
             manager.add_sequence(request.req_id)
         else:
-            manager.add_sequence(request.req_id, request.token_ids)
+            manager.add_sequence(request.req_id, request.token_ids, self.prompt_keys(request))
         if external:
             start = self.cache.seq_lens[request.req_id]
             self.reserve(request, external, request.token_ids[start:start + external])

@@ -4,67 +4,56 @@
 - ``HostConnector``: notebook 13's host tier: write-through or victim stores, hits copied back, and a
   preempted request's blocks swapped out and back in.
 
-Both keep each request's chained block keys and follow ``rules`` (what to offer, what to save). The
+Both name blocks by each request's chained block keys (``Request.block_keys``, the prefix cache's keys)
+and follow ``rules`` (what to offer, what to save). The
 scheduler side only decides and books; every copy happens on the worker side, in ``start_load_kv`` and
 ``wait_for_save``, which the engine runs around the forward pass."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedlib.core.connector import ConnectorMeta, KVConnector, LoadFailed, Transfer
 from pagedlib.core.kv_pool import KVPool
-from pagedlib.core.prefix_cache import BlockKey, chained_keys
+from pagedlib.core.prefix_cache import BlockKey
 from pagedlib.kv_transfer import rules
 from pagedlib.kv_transfer.host_tier import HostTier
-from pagedlib.kv_transfer.store import DTYPES, EntryError, KVStore, block_hash
+from pagedlib.kv_transfer.store import DTYPES, EntryError, KVStore
 
 WRITES = ("through", "victim", "none")  # when the host tier stores a block
 
 
 class BlockConnector(KVConnector):
-    """What both connectors share: each request's chained block keys (made by ``link``, as
-    ``core.prefix_cache.chained_keys`` chains them), the offer rule over ``has``, the loads decided at
-    admission and the saves of the blocks each step fills."""
+    """What both connectors share: the offer rule over ``has``, the loads decided at admission and the saves
+    of the blocks each step fills, all named by the requests' block keys."""
 
-    def __init__(self, block_size: int, link: Callable[[Any, tuple[int, ...]], Any], role: str = "both"
-                 ) -> None:
+    def __init__(self, block_size: int, role: str = "both") -> None:
         super().__init__(block_size, role)
-        self.link = link  # a block's key from its parent's and its token ids
-        self.keys: dict[Hashable, list] = {}         # each request's full blocks' keys, so far
         self.pending: dict[Hashable, Transfer] = {}  # loads decided, not yet in a step's meta
         self.loaded_tokens = 0
         self.saved_blocks = 0
         self.load_failures = 0
 
-    def has(self, key: Any) -> bool:
+    def has(self, key: BlockKey) -> bool:
         """Whether the connector can supply the block ``key``."""
         raise NotImplementedError
-
-    def block_keys(self, request: Any, n: int) -> list:
-        """The keys of ``request``'s first ``n`` full blocks (kept between steps, extended as it grows)."""
-        keys = self.keys.setdefault(request.req_id, [])
-        if len(keys) < n:
-            keys += chained_keys(request.token_ids, self.block_size, n, self.link, len(keys),
-                                 keys[-1] if keys else None)
-        return keys[:n]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Whole blocks after the prefix cache's ``num_computed_tokens``, as many as ``has`` finds in a row,
         before the block of the request's last token (``rules``); none for a producer, which only saves."""
         if self.role == "producer" or request.prompt_tokens is None:
             return 0
-        keys = self.block_keys(request, rules.offer_stop(request.num_tokens, self.block_size))
+        keys = request.block_keys(self.block_size, rules.offer_stop(request.num_tokens, self.block_size))
         return rules.offer(keys, self.has, num_computed_tokens // self.block_size) * self.block_size
 
     def update_state_after_alloc(self, request: Any, blocks: list[int], num_external_tokens: int) -> None:
         n = num_external_tokens // self.block_size
         if n:
             start = len(blocks) - n
-            keys = self.keys[request.req_id][start:start + n]
+            keys = request.block_keys(self.block_size, start + n)[start:]
             self.pending[request.req_id] = Transfer(request.req_id, keys, list(blocks[start:]))
 
     def build_connector_meta(self, plan: Any) -> ConnectorMeta:
@@ -79,9 +68,9 @@ class BlockConnector(KVConnector):
                                   self.block_size)
             first, last = filled.start, filled.stop
             if last > first:
-                keys = self.block_keys(request, last)
+                keys = request.block_keys(self.block_size, last)
                 meta.saves.append(Transfer(request.req_id, keys[first:], table[first:last],
-                                           ([""] + keys)[first:last]))
+                                           ([None] + keys)[first:last]))
         self.pending.clear()  # an admission undone before its step ran: nothing to load
         return meta
 
@@ -89,11 +78,9 @@ class BlockConnector(KVConnector):
         return ConnectorMeta()
 
     def request_finished(self, request: Any) -> None:
-        self.keys.pop(request.req_id, None)
         self.pending.pop(request.req_id, None)
 
     def reset(self) -> None:
-        self.keys.clear()
         self.pending.clear()
 
     def stats(self) -> dict[str, int]:
@@ -111,7 +98,7 @@ class StoreConnector(BlockConnector):
     def __init__(self, store: KVStore, role: str = "both") -> None:
         if not isinstance(store, KVStore):
             raise TypeError(f"store must be a KVStore, got {type(store).__name__}")
-        super().__init__(store.block_size, block_hash, role)
+        super().__init__(store.block_size, role)
         self.store = store
         self.bad: dict[str, str] = {}  # key -> why its entry cannot be used
         self.save_failures = 0
@@ -130,7 +117,8 @@ class StoreConnector(BlockConnector):
             raise ValueError(f"the KV store at {self.store.root} holds blocks of another shape: (this cache, "
                              f"the store) differ in {wrong}")
 
-    def has(self, key: str) -> bool:
+    def has(self, block_key: BlockKey) -> bool:
+        key = block_key.digest  # the entry's name
         if key in self.bad or key not in self.store:
             return False
         reason = self.store.check_header(key)
@@ -148,7 +136,8 @@ class StoreConnector(BlockConnector):
 
     def start_load_kv(self, pool: KVPool, meta: ConnectorMeta) -> None:
         for load in meta.loads:
-            for key, block in zip(load.keys, load.blocks):
+            for block_key, block in zip(load.keys, load.blocks):
+                key = block_key.digest
                 try:
                     k, v = self.store.get(key)
                 except (EntryError, OSError) as error:  # a bad entry, or the disk failing under it
@@ -163,6 +152,7 @@ class StoreConnector(BlockConnector):
     def wait_for_save(self, pool: KVPool, meta: ConnectorMeta) -> None:
         for save in meta.saves:
             for key, parent, block in zip(save.keys, save.parents, save.blocks):
+                key, parent = key.digest, parent.digest if parent is not None else ""
                 try:
                     self.saved_blocks += self.store.put(key, parent, pool.k[block], pool.v[block],
                                                         self.written_by)
@@ -209,7 +199,7 @@ class HostConnector(BlockConnector):
             raise TypeError(f"tier must be a HostTier, got {type(tier).__name__}")
         if write not in WRITES:
             raise ValueError(f"write must be one of {WRITES}, got {write!r}")
-        super().__init__(tier.k.shape[2], BlockKey)  # keys as the prefix cache's
+        super().__init__(tier.k.shape[2])
         self.tier = tier
         self.write = write
         self.swap = bool(swap)
@@ -229,7 +219,7 @@ class HostConnector(BlockConnector):
                                  "enable_prefix_caching=True")
             cache.manager.on_evict = self.evicted  # vLLM's connectors see the block pool's events
 
-    def has(self, key: Any) -> bool:
+    def has(self, key: BlockKey) -> bool:
         return key in self.tier.cache
 
     # ---- scheduler side: decisions and bookings, no copies ----

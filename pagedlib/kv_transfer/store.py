@@ -87,14 +87,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, n: int | None = None) -> list[str]:
-    """The chained hashes (hex) of the first ``n`` full blocks of ``token_ids`` (default: every full one)."""
-    return list(chained_keys(token_ids, block_size, n, block_hash))
-
-
-def block_hash(parent: str | None, block: tuple[int, ...]) -> str:
-    """A block's hash: SHA-256 of its parent's digest (none for the first) and its token ids."""
-    head = bytes.fromhex(parent) if parent else b""
-    return hashlib.sha256(head + struct.pack(f"<{len(block)}q", *block)).hexdigest()
+    """The chained hashes (hex) of the first ``n`` full blocks of ``token_ids`` (default: every full one):
+    the digests of their ``BlockKey``s (``core.prefix_cache``), the prefix cache's keys."""
+    return [key.digest for key in chained_keys(token_ids, block_size, n)]
 
 
 def model_fingerprint(folder: str | Path) -> str:

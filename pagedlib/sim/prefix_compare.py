@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.prefix_cache import PrefixCache, chained_keys
 from pagedlib.core.request import Request
 from pagedlib.sim import workloads as wl
 from pagedlib.sim.simulate import new_scheduler, serve
@@ -51,11 +52,34 @@ def side_by_side(block_sizes: Sequence[int] = (1, 16, 64), budget_tokens: int = 
 
 def lookup_cost_us(cache: PagedKVCache, requests: Sequence[Request], repeat: int = 3) -> float:
     """Microseconds one prefix lookup of a request's prompt takes in ``cache``'s prefix cache (the best of
-    ``repeat`` passes over every request, averaged per request). A timing: never assert it."""
-    prompts, best = [list(r.prompt_tokens or ()) for r in requests], float("inf")
+    ``repeat`` passes over every request, averaged per request). The hash cache is given the prompt's block
+    keys, made beforehand as a scheduler's request makes them, once (``key_cost_us`` times that). A
+    timing: never assert it."""
+    prompts = [list(r.prompt_tokens or ()) for r in requests]
+    keys: list = [None] * len(prompts)
+    if isinstance(cache.prefix_cache, PrefixCache):
+        keys = [_prompt_keys(p, cache.block_size) for p in prompts]
+    return _best_us(lambda: [cache.prefix_cache.peek(p, k) for p, k in zip(prompts, keys)],  # type: ignore
+                    repeat) / max(1, len(prompts))
+
+
+def key_cost_us(requests: Sequence[Request], block_size: int, repeat: int = 3) -> float:
+    """Microseconds to make the block keys a lookup of a request's prompt walks (a SHA-256 digest per full
+    block), as a hash cache's request does once; averaged per request, the best of ``repeat`` passes. A
+    timing."""
+    prompts = [list(r.prompt_tokens or ()) for r in requests]
+    return _best_us(lambda: [_prompt_keys(p, block_size) for p in prompts], repeat) / max(1, len(prompts))
+
+
+def _prompt_keys(prompt: list[int], block_size: int) -> list:
+    """The keys a lookup of ``prompt`` may walk: its full blocks before its last token's."""
+    return list(chained_keys(prompt, block_size, (len(prompt) - 1) // block_size))
+
+
+def _best_us(work: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        for p in prompts:
-            cache.prefix_cache.peek(p)  # type: ignore[union-attr]
+        work()
         best = min(best, time.perf_counter() - start)
-    return best / max(1, len(prompts)) * 1e6
+    return best * 1e6

@@ -62,9 +62,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pagedlib.core.prefix_cache import chained_keys
+from pagedlib.core.prefix_cache import BlockKey, chained_keys
 from pagedlib.kv_transfer import rules
-from pagedlib.kv_transfer.store import EntryError, KVStore, block_hash, block_hashes, model_fingerprint
+from pagedlib.kv_transfer.store import EntryError, KVStore, block_hashes, model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,14 +191,16 @@ class _Tracked:
     request: Any
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
-    keys: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the store's names: the keys' digests
+    last: BlockKey | None = None
 
     def block_keys(self, n: int, block_size: int) -> list[str]:
-        keys = self.keys
-        if len(keys) < n:
-            keys += chained_keys(list(self.request.all_token_ids), block_size, n, block_hash, len(keys),
-                                 keys[-1] if keys else None)
-        return keys
+        if len(self.keys) < n:
+            tokens = list(self.request.all_token_ids)
+            for key in chained_keys(tokens, block_size, n, len(self.keys), self.last):
+                self.keys.append(key.digest)
+                self.last = key
+        return self.keys
 
 
 # ---- the connector ---------------------------------------------------------------------------------------
