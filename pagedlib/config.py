@@ -1,6 +1,8 @@
-"""``EngineConfig``: every setting of an ``Engine``, checked once when it is made (nano-vllm's ``Config``,
-vLLM's ``SchedulerConfig`` and ``CacheConfig`` in one). The defaults are vLLM 0.32.0's where it has the
-setting; ``vllm_bridge.config_of`` passes each one that changes a decision to vLLM."""
+"""``EngineConfig``: every setting of an ``Engine`` (nano-vllm's ``Config``, vLLM's ``SchedulerConfig`` and
+``CacheConfig`` in one), checked when the engine is made: the sizes, scheduling and host tier settings here,
+``attention`` against the model (``checks.check_engine_model``), the prefix cache's settings by the cache.
+The defaults are vLLM 0.32.0's where it has the setting; ``vllm_bridge.config_of`` passes each one that
+changes a decision to vLLM."""
 
 from __future__ import annotations
 
@@ -61,12 +63,10 @@ class EngineConfig:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         fix("num_blocks", as_int("num_blocks", self.num_blocks, minimum=1))
         fix("block_size", as_int("block_size", self.block_size, minimum=1))
-        checks.check_attention(self.attention, self.block_size)
-        for name in ("enable_prefix_caching", "full_prompt_must_fit"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.prefix_cache not in ("hash", "radix"):
-            raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
+        # the Scheduler checks these too, but only after the cache is allocated; watermark and the ints
+        # are normalised here because the bridge sends them as JSON
+        if not isinstance(self.full_prompt_must_fit, bool):
+            raise ValueError(f"full_prompt_must_fit must be a bool, got {self.full_prompt_must_fit!r}")
         fix("max_num_seqs", as_int("max_num_seqs", self.max_num_seqs, minimum=1))
         budget, cap = checks.check_token_budget(self.max_num_batched_tokens,
                                                 self.long_prefill_token_threshold)

@@ -42,7 +42,8 @@ class Engine:
 
     Args:
         model: the decoder (its dtype and device are the cache's).
-        num_blocks, ...: the settings of ``EngineConfig`` (checked there), kept as ``engine.config``.
+        num_blocks, ...: the settings of ``EngineConfig`` (checked as the engine is made), kept as
+            ``engine.config``.
         connector: a ``KVConnector`` (notebook 14) the scheduler asks for blocks after the prefix cache's,
             and the step saves its full blocks through: a ``StoreConnector`` shares them with other engines.
             ``host_blocks`` (notebook 13) builds one of its own instead, a ``HostConnector``.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedlib.sim.offload import LLAMA_3_8B, Link, Transformer
+from pagedlib.sim.offload import LLAMA_3_8B, Link
 from pagedlib.sim.simulate import StepCost
 from pagedlib.util import ceil_div
 
@@ -34,13 +34,12 @@ H100_FLOPS = 989e12
 NDR_400 = Link("InfiniBand NDR 400 Gb/s", 400e9 / 8, "NVIDIA ConnectX-7 datasheet: 400 Gb/s a port")
 
 
-def step_cost(model: Transformer = LLAMA_3_8B, memory_bytes_per_second: float = H100_HBM_BYTES_PER_SECOND,
-              flops: float = H100_FLOPS) -> StepCost:
-    """A step's cost from peaks: the weights read once (``fixed``), 2 FLOPs a weight per new token, a K/V
-    token's bytes read per token of context."""
-    weight_bytes = model.params * model.bytes_per_value
-    return StepCost(fixed=weight_bytes / memory_bytes_per_second, per_token=2 * model.params / flops,
-                    per_context=model.kv_bytes_per_token / memory_bytes_per_second)
+def step_cost() -> StepCost:
+    """A step's cost from peaks, Llama-3-8B on an H100: the weights read once (``fixed``), 2 FLOPs a weight
+    per new token, a K/V token's bytes read per token of context."""
+    model, bandwidth = LLAMA_3_8B, H100_HBM_BYTES_PER_SECOND
+    return StepCost(fixed=model.params * model.bytes_per_value / bandwidth,
+                    per_token=2 * model.params / H100_FLOPS, per_context=model.kv_bytes_per_token / bandwidth)
 
 
 @dataclass(frozen=True)
@@ -73,11 +72,10 @@ def colocated(cost: StepCost, prompt: int, output: int, rate: float, *, gpus: in
     return Latency(ttft=steps * chunk_step, itl=max(t, chunk_step), mean_itl=t)
 
 
-def disaggregated(cost: StepCost, prompt: int, output: int, rate: float, link: Link = NDR_400, *,
-                  model: Transformer = LLAMA_3_8B, prefill_gpus: int = 1, decode_gpus: int = 1
-                  ) -> Latency | None:
-    """``prefill_gpus`` GPUs prefill (one prompt a step), the K/V crosses ``link``, ``decode_gpus`` GPUs
-    decode. ``None``: one side cannot keep up."""
+def disaggregated(cost: StepCost, prompt: int, output: int, rate: float, *, prefill_gpus: int = 1,
+                  decode_gpus: int = 1) -> Latency | None:
+    """``prefill_gpus`` GPUs prefill (one prompt a step), Llama-3-8B's K/V crosses ``NDR_400``,
+    ``decode_gpus`` GPUs decode. ``None``: one side cannot keep up."""
     prefill = cost.fixed + (cost.per_token + cost.per_context) * prompt
     if rate / prefill_gpus * prefill >= 1:
         return None
@@ -85,7 +83,7 @@ def disaggregated(cost: StepCost, prompt: int, output: int, rate: float, link: L
     t = _step_time(cost, rate / decode_gpus, work)
     if t is None:
         return None
-    transfer = prompt * model.kv_bytes_per_token / link.bytes_per_second
+    transfer = prompt * LLAMA_3_8B.kv_bytes_per_token / NDR_400.bytes_per_second
     return Latency(ttft=prefill + transfer, itl=t, mean_itl=t)
 
 

@@ -108,64 +108,57 @@ def fake_output_token(request: Request) -> int:
 
 
 # Workloads of notebook 11, prefix caching's cases: each request carries its token ids (random ids below
-# ``vocab_size``; a turn that resends a reply resends the made-up output ids ``fake_token_ids`` gives it).
+# ``VOCAB_SIZE``; a turn that resends a reply resends the made-up output ids ``fake_token_ids`` gives it).
+VOCAB_SIZE = 32000
 
 
-def multi_turn_like(num_conversations: int, turns: int = 4, seed: int = 0, *, user_len: int = 40,
-                    reply_len: int = 60, turn_gap: int = 100, vocab_size: int = 32000) -> list[Request]:
+def multi_turn_like(num_conversations: int, turns: int = 4, seed: int = 0) -> list[Request]:
     """Chat: turn ``t`` of a conversation resends the whole conversation so far (every earlier user message
-    and reply) plus a new user message of about ``user_len`` tokens, ``turn_gap`` steps after the previous
-    turn arrived; replies of about ``reply_len`` tokens; conversations start one step apart."""
-    n, turns, user_len, reply_len, turn_gap, vocab_size = check_sizes(
-        num_conversations=num_conversations, num_turns=turns, user_len=user_len, reply_len=reply_len,
-        turn_gap=turn_gap, vocab_size=vocab_size)
+    and reply) plus a new user message of 20 to 60 tokens, 100 steps after the previous turn arrived;
+    replies of 1 to 119 tokens; conversations start one step apart."""
+    n, turns = check_sizes(num_conversations=num_conversations, num_turns=turns)
     rng, out = np.random.default_rng([seed, 11]), []
     for c in range(n):
         history: tuple[int, ...] = ()
         for t in range(turns):
-            prompt = history + _ids(rng, int(rng.integers(user_len // 2, user_len * 3 // 2 + 1)), vocab_size)
-            r = Request(len(out), c + t * turn_gap, len(prompt), int(rng.integers(1, 2 * reply_len)), prompt)
+            prompt = history + _ids(rng, int(rng.integers(20, 61)), VOCAB_SIZE)
+            r = Request(len(out), c + t * 100, len(prompt), int(rng.integers(1, 120)), prompt)
             out.append(r)
             history = tuple(fake_token_ids(r, r.prompt_len + r.output_len))
     return out
 
 
-def few_shot_like(num_requests: int, seed: int = 0, *, num_examples: int = 6, example_len: int = 50,
-                  question_len: int = 20, rate: float = 1.0, vocab_size: int = 32000) -> list[Request]:
-    """Few-shot prompts: the first ``k`` of ``num_examples`` fixed examples, always in the same order (``k``
-    drawn per request), then a question of its own; Alpaca-like output lengths and Poisson arrivals."""
-    k, example_len, question_len, vocab_size = check_sizes(
-        num_examples=num_examples, example_len=example_len, question_len=question_len, vocab_size=vocab_size)
-    base, rng = alpaca_like(num_requests, seed, rate=rate), np.random.default_rng([seed, 12])
-    examples = [_ids(rng, example_len, vocab_size) for _ in range(k)]
-    return [_with_prompt(r, sum(examples[:rng.integers(1, k + 1)], ()) + _ids(rng, question_len, vocab_size))
+def few_shot_like(num_requests: int, seed: int = 0, *, num_examples: int = 6) -> list[Request]:
+    """Few-shot prompts: the first ``k`` of ``num_examples`` fixed examples of 50 tokens, always in the same
+    order (``k`` drawn per request), then a question of its own (20 tokens); Alpaca-like output lengths and
+    Poisson arrivals, a request a step on average."""
+    (k,) = check_sizes(num_examples=num_examples)
+    base, rng = alpaca_like(num_requests, seed), np.random.default_rng([seed, 12])
+    examples = [_ids(rng, 50, VOCAB_SIZE) for _ in range(k)]
+    return [_with_prompt(r, sum(examples[:rng.integers(1, k + 1)], ()) + _ids(rng, 20, VOCAB_SIZE))
             for r in base]
 
 
-def branching_like(num_trees: int, branches: int = 4, seed: int = 0, *, stem_len: int = 200,
-                   branch_len: int = 30, output_len: int = 40, tree_gap: int = 20,
-                   vocab_size: int = 32000) -> list[Request]:
-    """Tree of thought, parallel samples: a stem request (a problem of ``stem_len`` tokens), then, one step
-    later, ``branches`` requests that resend the stem plus a thought of their own (``branch_len`` tokens),
-    diverging right after the stem, inside a block unless ``stem_len`` is a multiple of the block size."""
-    n, branches, stem_len, branch_len, output_len, tree_gap, vocab_size = check_sizes(
-        num_trees=num_trees, num_branches=branches, stem_len=stem_len, branch_len=branch_len,
-        output_len=output_len, tree_gap=tree_gap, vocab_size=vocab_size)
+def branching_like(num_trees: int, branches: int = 4, seed: int = 0, *, stem_len: int = 200) -> list[Request]:
+    """Tree of thought, parallel samples: every 20 steps a stem request (a problem of ``stem_len`` tokens,
+    one new token), then, one step later, ``branches`` requests that resend the stem plus a thought of their
+    own (30 tokens) and generate 40 tokens each, diverging right after the stem, inside a block unless
+    ``stem_len`` is a multiple of the block size."""
+    n, branches, stem_len = check_sizes(num_trees=num_trees, num_branches=branches, stem_len=stem_len)
     rng, out = np.random.default_rng([seed, 13]), []
     for t in range(n):
-        stem = _ids(rng, stem_len, vocab_size)
-        out.append(Request(len(out), t * tree_gap, stem_len, 1, stem))
+        stem = _ids(rng, stem_len, VOCAB_SIZE)
+        out.append(Request(len(out), t * 20, stem_len, 1, stem))
         for _ in range(branches):
-            prompt = stem + _ids(rng, branch_len, vocab_size)
-            out.append(Request(len(out), t * tree_gap + 1, len(prompt), output_len, prompt))
+            prompt = stem + _ids(rng, 30, VOCAB_SIZE)
+            out.append(Request(len(out), t * 20 + 1, len(prompt), 40, prompt))
     return out
 
 
-def unique_documents_like(num_requests: int, seed: int = 0, *, doc_len: int = 1000, output_len: int = 50,
-                          rate: float = 0.2, vocab_size: int = 32000) -> list[Request]:
-    """Long documents that share nothing (summaries, retrieval): prompts of ``doc_len`` tokens +- 50%."""
-    doc_len, output_len, vocab_size = check_sizes(doc_len=doc_len, output_len=output_len,
-                                                  vocab_size=vocab_size)
-    base, rng = alpaca_like(num_requests, seed, rate=rate), np.random.default_rng([seed, 14])
-    return [_with_prompt(r, _ids(rng, int(rng.integers(doc_len // 2, doc_len * 3 // 2 + 1)), vocab_size),
-                         output_len=output_len) for r in base]
+def unique_documents_like(num_requests: int, seed: int = 0, *, doc_len: int = 1000) -> list[Request]:
+    """Long documents that share nothing (summaries, retrieval): prompts of ``doc_len`` tokens +- 50%, 50 new
+    tokens each, Poisson arrivals, 0.2 requests a step on average."""
+    (doc_len,) = check_sizes(doc_len=doc_len)
+    base, rng = alpaca_like(num_requests, seed, rate=0.2), np.random.default_rng([seed, 14])
+    return [_with_prompt(r, _ids(rng, int(rng.integers(doc_len // 2, doc_len * 3 // 2 + 1)), VOCAB_SIZE),
+                         output_len=50) for r in base]

@@ -415,14 +415,6 @@ class VllmWorker:
         self.child = Child(WORKER_MODULE, env={**WORKER_ENV, **(env or {})}, timeout=timeout)
         self.process = self.child.process
 
-    @property
-    def timeout(self) -> float:
-        return self.child.timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float) -> None:
-        self.child.timeout = float(seconds)
-
     def send(self, job: dict[str, Any]) -> int:
         """Hand the worker one job without waiting; returns the job's id."""
         try:
