@@ -40,6 +40,15 @@ def draw_contract() -> plt.Figure:
         colour = "black" if name == "forward pass" else "tab:blue"
         ax.text(x, y, f"{i + 1}. {name}", fontsize=8.5, family="monospace", color=colour)
         ax.text(x + 0.015, y - 0.04, what, fontsize=7.5, color="dimgray", va="top")
+    # what crosses between the sides each step: the metadata down, the workers' results back (in vLLM,
+    # KVConnectorOutput, read by the scheduler side's update_connector_output)
+    ax.add_patch(FancyArrowPatch((0.30, 0.595), (0.455, 0.505), arrowstyle="-|>", mutation_scale=12,
+                                 color="tab:purple", lw=1.5))
+    ax.text(0.425, 0.5, "connector metadata", fontsize=7.5, color="tab:purple", ha="right", va="top")
+    ax.add_patch(FancyArrowPatch((0.455, 0.36), (0.2, 0.36), arrowstyle="-|>", mutation_scale=12,
+                                 color="tab:purple", lw=1.5, ls="--"))
+    ax.text(0.425, 0.375, "back with the step's output (vLLM):\ntransfers finished, blocks that failed to load",
+            fontsize=7.5, color="tab:purple", ha="right", va="bottom")
     for y, label, direction in ((0.49, "read entries", -1), (0.25, "write entries", 1)):
         start, end = (0.825, 0.765) if direction < 0 else (0.765, 0.825)
         ax.add_patch(FancyArrowPatch((start, y + 0.03), (end, y + 0.03), arrowstyle="-|>", mutation_scale=12,
