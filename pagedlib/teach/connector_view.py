@@ -97,7 +97,7 @@ def plot_handoff(prompt_len: int, new_tokens: int, block_size: int, found: int, 
 
 def plot_latency_vs_rate(cost, prompt: int, output: int, rates: Sequence[float], budget: int) -> plt.Figure:
     """TTFT and the longest inter-token gap against the arrival rate, colocated (two GPUs) and split (one
-    prefills, one decodes)."""
+    prefills, one decodes); a line stops at the last rate its GPUs keep up with."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, serve, options in (("colocated, 2 GPUs", disagg.colocated, {"budget": budget}),
                                  ("1 prefill + 1 decode GPU", disagg.disaggregated, {})):
@@ -109,6 +109,7 @@ def plot_latency_vs_rate(cost, prompt: int, output: int, rates: Sequence[float],
     right.set_ylabel("longest gap between two tokens (ms)")
     for ax in (left, right):
         ax.set_xlabel("arrival rate (requests per second)")
+        ax.set_xlim(0, max(rates) * 1.04)  # every rate asked for, so a line that stops short shows it
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{prompt}-token prompts, {output} new tokens each; colocated budget {budget} tokens a step")
