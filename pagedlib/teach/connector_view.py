@@ -47,8 +47,8 @@ def draw_contract() -> plt.Figure:
     ax.text(0.425, 0.5, "connector metadata", fontsize=7.5, color="tab:purple", ha="right", va="top")
     ax.add_patch(FancyArrowPatch((0.455, 0.36), (0.2, 0.36), arrowstyle="-|>", mutation_scale=12,
                                  color="tab:purple", lw=1.5, ls="--"))
-    ax.text(0.425, 0.375, "back with the step's output (vLLM):\ntransfers finished, blocks that failed to load",
-            fontsize=7.5, color="tab:purple", ha="right", va="bottom")
+    back = "back with the step's output (vLLM):\ntransfers finished, blocks that failed to load"
+    ax.text(0.425, 0.375, back, fontsize=7.5, color="tab:purple", ha="right", va="bottom")
     for y, label, direction in ((0.49, "read entries", -1), (0.25, "write entries", 1)):
         start, end = (0.825, 0.765) if direction < 0 else (0.765, 0.825)
         ax.add_patch(FancyArrowPatch((start, y + 0.03), (end, y + 0.03), arrowstyle="-|>", mutation_scale=12,
