@@ -64,7 +64,8 @@ def test_goodput_is_the_edge_of_the_objectives(serve, options):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(16, 16000), st.integers(1, 4000))
 def test_a_one_to_one_split_never_serves_more_requests_than_two_colocated_gpus(prompt, output):
-    """Throughput alone: the split's rate is the smaller of two GPUs' limits, colocation's their average."""
+    """Throughput alone: the split's rate is the smaller of two GPUs' limits, colocation's at least their
+    harmonic mean."""
     loose = {"ttft_slo": math.inf, "itl_slo": math.inf}
     split = goodput(disaggregated, prompt, output, cost=COST, **loose)
     together = goodput(colocated, prompt, output, cost=COST, budget=10**9, **loose)

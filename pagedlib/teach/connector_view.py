@@ -40,6 +40,15 @@ def draw_contract() -> plt.Figure:
         colour = "black" if name == "forward pass" else "tab:blue"
         ax.text(x, y, f"{i + 1}. {name}", fontsize=8.5, family="monospace", color=colour)
         ax.text(x + 0.015, y - 0.04, what, fontsize=7.5, color="dimgray", va="top")
+    # what crosses between the sides each step: the metadata down, the workers' results back (in vLLM,
+    # KVConnectorOutput, read by the scheduler side's update_connector_output)
+    ax.add_patch(FancyArrowPatch((0.30, 0.595), (0.455, 0.505), arrowstyle="-|>", mutation_scale=12,
+                                 color="tab:purple", lw=1.5))
+    ax.text(0.425, 0.5, "connector metadata", fontsize=7.5, color="tab:purple", ha="right", va="top")
+    ax.add_patch(FancyArrowPatch((0.455, 0.36), (0.2, 0.36), arrowstyle="-|>", mutation_scale=12,
+                                 color="tab:purple", lw=1.5, ls="--"))
+    back = "back with the step's output (vLLM):\ntransfers finished, blocks that failed to load"
+    ax.text(0.425, 0.375, back, fontsize=7.5, color="tab:purple", ha="right", va="bottom")
     for y, label, direction in ((0.49, "read entries", -1), (0.25, "write entries", 1)):
         start, end = (0.825, 0.765) if direction < 0 else (0.765, 0.825)
         ax.add_patch(FancyArrowPatch((start, y + 0.03), (end, y + 0.03), arrowstyle="-|>", mutation_scale=12,
@@ -88,7 +97,7 @@ def plot_handoff(prompt_len: int, new_tokens: int, block_size: int, found: int, 
 
 def plot_latency_vs_rate(cost, prompt: int, output: int, rates: Sequence[float], budget: int) -> plt.Figure:
     """TTFT and the longest inter-token gap against the arrival rate, colocated (two GPUs) and split (one
-    prefills, one decodes)."""
+    prefills, one decodes); a line stops at the last rate its GPUs keep up with."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, serve, options in (("colocated, 2 GPUs", disagg.colocated, {"budget": budget}),
                                  ("1 prefill + 1 decode GPU", disagg.disaggregated, {})):
@@ -100,6 +109,7 @@ def plot_latency_vs_rate(cost, prompt: int, output: int, rates: Sequence[float],
     right.set_ylabel("longest gap between two tokens (ms)")
     for ax in (left, right):
         ax.set_xlabel("arrival rate (requests per second)")
+        ax.set_xlim(0, max(rates) * 1.04)  # every rate asked for, so a line that stops short shows it
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{prompt}-token prompts, {output} new tokens each; colocated budget {budget} tokens a step")

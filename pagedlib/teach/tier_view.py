@@ -10,14 +10,15 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from pagedlib.sim import offload
 
-# (label, from x, from y, to x, to y, colour): the arrows between the device pool (left) and the host (right)
+# (label, from x, from y, to x, to y, colour, arrow style): the arrows between the device pool (left) and the
+# host (right); a swap goes both ways, out when the request is preempted and back when it returns
 MOVES = [
-    ("store: a full block, once computed\n(write-through)", 0.36, 0.80, 0.64, 0.80, "tab:blue"),
-    ("store: a block the prefix cache evicts\n(victim tier)", 0.36, 0.62, 0.64, 0.62, "tab:purple"),
+    ("store: a full block, once computed\n(write-through)", 0.36, 0.80, 0.64, 0.80, "tab:blue", "-|>"),
+    ("store: a block the prefix cache evicts\n(victim tier)", 0.36, 0.62, 0.64, 0.62, "tab:purple", "-|>"),
     ("load: a host hit, copied into a new block\nbefore the forward pass reads it", 0.64, 0.44, 0.36, 0.44,
-     "tab:green"),
+     "tab:green", "-|>"),
     ("swap out / swap in: a preempted request's\nblocks, and back when it returns", 0.36, 0.24, 0.64, 0.24,
-     "tab:red"),
+     "tab:red", "<|-|>"),
 ]
 
 
@@ -30,8 +31,8 @@ def draw_tiers() -> plt.Figure:
         ax.add_patch(Rectangle((x, 0.1), 0.30, 0.82, facecolor="#eef3fb", edgecolor="black"))
         ax.text(x + 0.15, 0.86, name, ha="center", fontsize=12, weight="bold")
         ax.text(x + 0.15, 0.5, detail, ha="center", va="center", fontsize=9)
-    for label, x0, y0, x1, y1, colour in MOVES:
-        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=14, color=colour,
+    for label, x0, y0, x1, y1, colour, style in MOVES:
+        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle=style, mutation_scale=14, color=colour,
                                      lw=1.6, connectionstyle="arc3"))
         ax.text(0.5, y0 + 0.025, label, ha="center", va="bottom", fontsize=8, color=colour)
     ax.set_xlim(0, 1)
