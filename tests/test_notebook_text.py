@@ -112,7 +112,8 @@ def test_every_section_a_notebook_cites_of_itself_exists(notebook):
 
 #: Names of other projects that sentences about vLLM set beside it, with the project they come from.
 OTHER_PROJECTS = {
-    "nano-vllm": {"ModelRunner", "store_kvcache", "flash_attn_with_kvcache", "hash_to_block_id"},
+    "nano-vllm": {"ModelRunner", "store_kvcache", "flash_attn_with_kvcache", "hash_to_block_id",
+                  "hash_blocks"},
     "SGLang": {"RadixKey.extra_key", "get_child_key", "cache_finished_req", "inc_lock_ref", "dec_lock_ref",
                "lock_ref", "_key_match_page_size1", "HiRadixCache", "hicache_write_policy", "write_through"},
 }
