@@ -164,10 +164,10 @@ def with_prompts(arrivals: list[Arrival], args: argparse.Namespace, prompts: lis
 
 # ---- serving in real time ---------------------------------------------------------------------------------
 
-def serve_engine(engine: Any, arrivals: Sequence[Arrival], bar: Any) -> list[list[float]]:
+def serve_engine(engine: Any, arrivals: Sequence[Arrival], bar: Any) -> tuple[list[list[float]], list]:
     """Serve ``arrivals`` on ``engine`` on the wall clock: each request added once the clock (0 when the loop
     starts) reaches its arrival time, then a step; every token stamped when its step returns. Per request,
-    its tokens' times (s)."""
+    its tokens' times (s) and its tokens."""
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i].arrival_s)[::-1]  # next: the last
     index: dict[int, int] = {}                                   # engine request id -> arrival
     times: list[list[float]] = [[] for _ in arrivals]
@@ -187,7 +187,8 @@ def serve_engine(engine: Any, arrivals: Sequence[Arrival], bar: Any) -> list[lis
             new = len(engine.requests[req_id].output_tokens) - len(stamped)
             stamped += [at] * new
             bar.update(new)
-    return times
+    tokens = {i: engine.output(req_id) for req_id, i in index.items()}
+    return times, [tokens[i] for i in range(len(arrivals))]
 
 
 def new_engine(model: Any, arrivals: Sequence[Arrival], args: argparse.Namespace, budget: int | None) -> Any:
@@ -342,8 +343,8 @@ def run_method(method: str, stack: Any, hf: Any, model: Any, arrivals: list[Arri
         return run_vllm(stack, hf, arrivals, args, total, disable)
     engine = new_engine(model, arrivals, args, budget_of(method, args))
     with tqdm(total=total, desc=method, unit="tok", disable=disable, file=sys.stderr) as bar:
-        times = serve_engine(engine, arrivals, bar)
-    return times, [engine.output(i) for i in range(len(arrivals))], {}
+        times, tokens = serve_engine(engine, arrivals, bar)
+    return times, tokens, {}
 
 
 def run_vllm(stack: Any, hf: Any, arrivals: list[Arrival], args: argparse.Namespace, total: int,
