@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "attention": "paged vs reference vs contiguous attention, decode and prefill (notebook 04)",
     "tracer": "how long a click of the block-table tracer widget takes to re-render (notebook 03)",
     "generate": "greedy generation end to end: the engine vs transformers' generate, generate_batch (08)",
+    "serve": "online serving in real time: Poisson or Mooncake arrivals, TTFT, ITL, goodput; engine vs vLLM",
     "serving": "every reservation policy vs paging on one workload and KV budget (notebook 07)",
     "trace": "a Mooncake-format request trace replayed through a device tier and a host tier (notebook 13)",
     "gpu": "the fused Triton kernel against SDPA and the torch gather path on a CUDA GPU (notebook 05)",

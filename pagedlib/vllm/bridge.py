@@ -341,6 +341,36 @@ def generate_vllm(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
+def serve_vllm(llm: Any, requests: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]]:
+    """Serve ``requests`` (``{"prompt", "max_new_tokens", "arrival_s"}`` each) in real time through
+    ``LLMEngine.add_request``/``step``: each request is added once the clock (0 when the loop starts)
+    reaches its ``arrival_s``, and each token is stamped when the step that made it returns (``bench
+    serve``'s loop for ``Engine``, on vLLM). ``{"token_times": [...], "tokens": [...]}``, per request."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    pending = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"])[::-1]  # next: last
+    times: list[list[float]] = [[] for _ in requests]
+    tokens: list[list[int]] = [[] for _ in requests]
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and requests[pending[-1]]["arrival_s"] <= now:
+            i = pending.pop()
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(requests[i]["prompt"])),
+                               _params(requests[i]["max_new_tokens"]))
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, requests[pending[-1]]["arrival_s"] - now))     # idle until the next one
+            continue
+        outputs = engine.step()
+        at = time.perf_counter() - start
+        for output in outputs:                       # token_ids: every token so far (CUMULATIVE outputs)
+            i = int(_external(output.request_id))
+            tokens[i] = list(output.outputs[0].token_ids)
+            times[i] += [at] * (len(tokens[i]) - len(times[i]))
+    return {"token_times": times, "tokens": tokens}
+
+
 def make_pool_fresh(llm: Any) -> bool:
     """Put a used ``LLM``'s block pool back as a fresh one's: no cached block hashes (``reset_prefix_cache``)
     and every block but the null block free in id order, as ``BlockPool`` builds its free queue (its blocks
@@ -357,8 +387,9 @@ def make_pool_fresh(llm: Any) -> bool:
 def handle(built: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """The worker's answer to one job (``pagedlib.child.serve`` calls it; ``built`` holds the last config's
     LLM: jobs with the same config share it). A job is ``{"config": ..., "workload": [...]}`` (answer:
-    records and tokens) or ``{"config": ..., "prompts": [...], "max_new_tokens": n}`` (answer: tokens and
-    seconds); each answer says how long building vLLM took. ``{"probe": true}``: vLLM's version, imported."""
+    records and tokens), ``{"config": ..., "prompts": [...], "max_new_tokens": n}`` (answer: tokens and
+    seconds) or ``{"config": ..., "serve": [...]}`` (``serve_vllm``'s answer); each answer says how long
+    building vLLM took. ``{"probe": true}``: vLLM's version, imported."""
     if job.get("probe"):
         import vllm
 
@@ -382,6 +413,10 @@ def handle(built: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _do(llm: Any, job: dict) -> dict[str, Any]:
+    if "serve" in job:               # warmed up on the same prompts (2 tokens each), then a fresh pool
+        generate_vllm(llm, [request["prompt"] for request in job["serve"]], 2)
+        make_pool_fresh(llm)
+        return serve_vllm(llm, job["serve"])
     if "workload" in job:
         records, tokens = run_vllm(llm, [Arrival(**arrival) for arrival in job["workload"]])
         return {"records": [asdict(record) for record in records], "tokens": tokens}
@@ -461,6 +496,16 @@ class VllmWorker:
         a fresh pool (a job with the last job's config reuses its LLM, its pool made fresh first)."""
         return self.job({"config": asdict(config), "prompts": [list(p) for p in prompts],
                          "max_new_tokens": max_new_tokens})
+
+    def serve(self, config: BridgeConfig, requests: Sequence[dict[str, Any]]) -> dict:
+        """``serve_vllm``'s answer (and ``startup_s``) for ``requests`` (``{"prompt", "max_new_tokens",
+        "arrival_s"}`` each), after a warm-up on the same prompts, from a fresh pool."""
+        limit = max_model_len(config)
+        for i, request in enumerate(requests):
+            if len(request["prompt"]) + request["max_new_tokens"] > limit:
+                raise ValueError(f"request {i}: {len(request['prompt'])} + {request['max_new_tokens']} "
+                                 f"tokens exceed vLLM's max_model_len of {limit}")
+        return self.job({"config": asdict(config), "serve": [dict(request) for request in requests]})
 
     def close(self, grace: float = 10.0) -> None:
         """Stop the worker: it ends by itself once its input closes (within ``grace`` seconds), else it is
