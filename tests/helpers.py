@@ -9,12 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.request import Request
-from pagedlib.core.scheduler import Scheduler, StepPlan
 from pagedlib.kernels.attention import REL_ERROR_LIMITS, TOLERANCES, rel_error
 from pagedlib.kernels.varlen import paged_attention_varlen_oracle
-from pagedlib.sim.simulate import write_fake_kv
-from pagedlib.sim.workloads import fake_output_token
 from pagedlib.testing import check_invariants, state_diff
 from pagedlib.util import ceil_div
 
@@ -28,15 +24,6 @@ def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     """``c`` is bit-for-bit what ``snapshot`` saw (NaN slots included), and still consistent."""
     assert state_diff(c, snap) == [], f"changed: {state_diff(c, snap)}"
     check_invariants(c)
-
-
-def sim_step(sched: Scheduler) -> tuple[StepPlan, list[Request]]:
-    """One step of a simulated engine: plan it, write its fake K/V, sample made-up tokens. Returns the plan
-    and the requests that finished."""
-    plan = sched.schedule()
-    write_fake_kv(sched, plan)
-    sampled = [fake_output_token(request) for request, _ in plan.work]
-    return plan, sched.update(plan, sampled)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

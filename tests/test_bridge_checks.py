@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import sim_step, tiny_llama
+from helpers import tiny_llama
 
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.engine import Engine
 from pagedlib.model import PagedLlama
+from pagedlib.sim.simulate import sim_step
 from pagedlib.vllm.bridge import Arrival, StepRecord, config_of, differences, run_engine
 
 

@@ -11,7 +11,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
 
 import pytest
-from helpers import sim_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +19,7 @@ from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.engine import Engine
-from pagedlib.sim.simulate import StepCost, new_scheduler, simulate, write_fake_kv
+from pagedlib.sim.simulate import StepCost, new_scheduler, sim_step, simulate, write_fake_kv
 from pagedlib.sim.workloads import fake_output_token, shared_prompt_like
 from pagedlib.testing import check_invariants
 

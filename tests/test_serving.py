@@ -9,14 +9,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import sim_step
 
 from pagedlib.bench.__main__ import main as bench_main
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request, Status
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.sim.budgets import POLICIES, FirstFit, SlabScheduler
-from pagedlib.sim.simulate import CATEGORIES, simulate, write_fake_kv
+from pagedlib.sim.simulate import CATEGORIES, sim_step, simulate, write_fake_kv
 from pagedlib.sim.window import WindowScheduler
 from pagedlib.sim.workloads import alpaca_like, fake_output_token, shared_prompt_like, sharegpt_like
 from pagedlib.testing import check_invariants

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-from helpers import sim_step
 
 import pagedlib.bench.serving as serving_cli
 from pagedlib.bench.__main__ import main as bench_main
@@ -18,7 +17,7 @@ from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.request import Request
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.sim.budgets import SlabScheduler
-from pagedlib.sim.simulate import simulate
+from pagedlib.sim.simulate import sim_step, simulate
 from pagedlib.sim.window import WindowScheduler
 from pagedlib.sim.workloads import (
     LengthModel,

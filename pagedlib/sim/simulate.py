@@ -173,6 +173,15 @@ def write_fake_kv(sched: Scheduler, plan: StepPlan) -> None:
     cache.pool.write([slot for slots in plan.batch.slots for slot in slots], k, v)
 
 
+def sim_step(sched: Scheduler) -> tuple[StepPlan, list[Request]]:
+    """One step of a simulated engine: plan it, write its fake K/V, sample made-up tokens. Returns the plan
+    and the requests that finished."""
+    plan = sched.schedule()
+    write_fake_kv(sched, plan)
+    sampled = [fake_output_token(request) for request, _ in plan.work]
+    return plan, sched.update(plan, sampled)
+
+
 def new_scheduler(requests: Sequence[Request], policy: str, kv_budget_blocks: int, block_size: int = 16, *,
                   max_num_seqs: int = 256, watermark: float = 0.01, max_model_len: int = 2048,
                   sliding_window: int | None = None, enable_prefix_caching: bool = False,
