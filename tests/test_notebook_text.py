@@ -245,3 +245,188 @@ def test_an_elided_block_is_one_comment_and_a_missing_start_is_an_error():
     assert elide_block(code, "if x", "taught later") == want
     with pytest.raises(ValueError, match="if z"):
         elide_block(code, "if z", "nowhere")
+
+
+# ---- numbers in the prose ---------------------------------------------------------------------------------
+
+# A number the prose quotes: 1,342,177,280 / 31.5 / 4096, and a percent sign after it. Not a digit run
+# inside a word or a name (Llama-3, e4m3, fp16, run1), a path (a/b/2026), a version (0.32.0) or a range's
+# hyphenated word (x-8).
+PROSE_NUMBER = re.compile(r"(?<![\w.,/])(?<!\w-)(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+)"
+                          r"(?![\w/]|\.\d|,\d{3})(\s*%)?")
+ANY_NUMBER = re.compile(r"\d[\d_,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# what comes right before a number that names a place, not a quantity: "notebook 07", "section 4.2",
+# "Figure 3", "§6.2", "issue #2614", "arXiv:2209.05433"
+CITED = re.compile(r"(?i)(?:\b(?:notebooks?|sections?|figures?|fig\.|tables?|chapter|eq\.|equation|appendix|"
+                   r"issue|arXiv:)|§|#)\s*$")
+# ... or a version: "vLLM 0.32", "torch 2.13", "v1"
+VERSION = re.compile(r"(?i)(?:\bv|\bversion\s*|\b(?:vLLM|torch|PyTorch|Triton|Python|CUDA|transformers|"
+                     r"nano-vllm|SGLang)\s+)$")
+FILE = re.compile(r"[\w.*-]*(?:/[\w.*-]+)+|[\w*-]+\.(?:json|md|py|c|h|csv|txt|png|svg|ipynb)\b")
+NAMED_FILE = re.compile(r"[\w./*-]+\.(?:json|md|py|c|h|csv|txt)\b")
+NAMED_MODULE = re.compile(r"\bpagedlib(?:\.\w+)+")
+YEAR = re.compile(r"(?:19|20)\d\d")
+SMALL = 100
+
+
+def prose_of(markdown: str) -> str:
+    """The sentences of a markdown cell, without what is code, a link target, a tag, a file name or the
+    number of a heading."""
+    text = re.sub(r"```.*?```", " ", markdown, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", " ", text)
+    text = re.sub(r"\]\([^)]*\)", "] ", text)
+    text = re.sub(r"<[^>]+>|https?://\S+", " ", text)
+    text = re.sub(r"(?m)^(#+\s+)\d+(?:\.\d+)*", r"\1", text)
+    return FILE.sub(" ", text)
+
+
+def numbers_in(text: str) -> set[float]:
+    """Every number in ``text`` (code, an output, a file), separators dropped: 1,024 and 1_024 are 1024."""
+    found = set()
+    for token in ANY_NUMBER.findall(text):
+        try:
+            found.add(float(token.replace("_", "").replace(",", "")))
+        except ValueError:                                   # "1,2,3" and the like
+            pass
+    return found
+
+
+def unprinted(markdown: str, printed: set[float], sections: frozenset[str] = frozenset()) -> list[str]:
+    """The numbers ``markdown`` quotes that ``printed`` holds in no format.
+
+    Looked at: a number with a decimal point, a thousands separator or a percent sign, or an integer of at
+    least 100.
+    Smaller integers are counts the prose sets up and reads off at a glance ("8 at a time", "16 tokens a
+    block", "section 3"); they match some output by chance too often for a check of them to mean anything.
+    Skipped: years, versions, section, figure, notebook and issue numbers, and ``sections`` (the notebook's
+    own heading numbers, which its prose cites bare: "(7.3)").
+    Matched: the printed number rounded to the prose's decimals (31.5 for 31.46; 161 for 161.31); the prose's
+    separators dropped (12,032 for 12032); a percentage of a printed number (73% for 0.73), only where the
+    prose writes the percent sign."""
+    exact = {d: {round(v, d) for v in printed} for d in range(7)}
+    percent = {d: {round(v * 100, d) for v in printed} for d in range(7)}
+    text, missing = prose_of(markdown), []
+    for match in PROSE_NUMBER.finditer(text):
+        token, sign = match.group(1), match.group(2)
+        plain = token.replace(",", "")
+        value, decimals = float(plain), min(len(plain.partition(".")[2]), 6)
+        before = text[max(0, match.start() - 30):match.start()]
+        if ("." not in plain and "," not in token and value < SMALL and not sign) or YEAR.fullmatch(token) \
+                or CITED.search(before) or VERSION.search(before) or plain in sections:
+            continue
+        value = round(value, decimals)
+        if value in exact[decimals] or (sign and value in percent[decimals]):
+            continue
+        missing.append(token + ("%" if sign else ""))
+    return missing
+
+
+def _code_and_outputs(cells: list[dict]) -> str:
+    return "\n".join(["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+                     + [t for c in cells for t in _outputs(c)])
+
+
+def printed_by(notebook: Path) -> set[float]:
+    """The numbers of the notebook's code and outputs, of the committed files its prose names (a path from
+    the repository's root, from notebooks/ or a file of benchmarks/results/, or a module of pagedlib). Not
+    another notebook's outputs: they would match the prose's numbers by chance too often."""
+    cells = json.loads(notebook.read_text())["cells"]
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    texts = [_code_and_outputs(cells)]
+    names = set(NAMED_FILE.findall(prose))
+    for module in set(NAMED_MODULE.findall(prose)):               # pagedlib.sim.workloads.shared_prompt_like
+        parts = module.split(".")
+        names |= {"/".join(parts[:cut]) + ".py" for cut in range(2, len(parts) + 1)}
+    for name in names:
+        for base in (ROOT, ROOT / "notebooks", ROOT / "benchmarks" / "results"):
+            files = [f for f in (base.glob(name) if "*" in name else [base / name]) if f.is_file()]
+            if files:
+                texts += [f.read_text(errors="ignore") for f in files]
+                break
+    return numbers_in("\n".join(texts))
+
+
+#: Numbers a notebook's prose may quote though nothing it prints or names holds them, with the reason.
+DATASHEET, PAPER, DEFINED = "datasheet", "paper", "definition"
+COMPUTED, SOLUTION = "computed in the prose", "exercise's answer"
+ALLOWED_NUMBERS = {
+    "01": {"3.5": "notebook 07 prints it: paged runs 3.5x as many",
+           "88%": f"{COMPUTED}: 100% - 11.9% printed",
+           "137": f"{COMPUTED}: 128 GiB in GB",
+           "141": f"{DATASHEET}: H200 memory", "192": f"{DATASHEET}: MI300X memory",
+           "161": f"{PAPER}: vLLM paper's ShareGPT mean prompt", "338": f"{PAPER}: its mean output",
+           "499": f"{COMPUTED}: 161 + 338",
+           "8.3": f"{COMPUTED}: 98.5% / 11.9%, both printed",
+           "0.92": f"{DEFINED}: vLLM 0.32.0's default gpu_memory_utilization",
+           "8,192": f"{DEFINED}: the exercise's sequence length",
+           "1,342,177,280": f"{SOLUTION}: the formula the hint gives",
+           "31.5": f"{SOLUTION}: (64 - 1) / 2 empty slots",
+           "169": f"{SOLUTION}: max_sequences with the hint's arguments (the reader's cell prints it)",
+           "663": f"{SOLUTION}: the same for Llama-3-8B", "3.9": f"{SOLUTION}: 663 / 169"},
+    "03": {"0.9": f"{DEFINED}: the player's interval, 900 ms in pagedlib/teach/tracer.py"},
+    "05": {"3.35": f"{DATASHEET}: H100 SXM HBM bandwidth, TB/s", "990": f"{DATASHEET}: H100 SXM dense fp16",
+           "4.8": f"{DATASHEET}: H200 HBM bandwidth, TB/s", "124": f"{COMPUTED}: 132 SMs - 8 programs",
+           "108": f"{DATASHEET}: A100's SMs", "216": f"{SOLUTION}: two waves of 108 SMs"},
+    "06": {"127": f"{DEFINED}: randint(16, 128)'s largest", "12,032": f"{COMPUTED}: 47 x 256 beside it",
+           "158": f"{COMPUTED}: APPS' 128 + 30 tokens"},
+    "07": {"3.7%": f"{PAPER}: vLLM's bar",
+           "336": f"{COMPUTED}: 21 blocks x 16",
+           "43.24": f"{PAPER}: Figure 13b", "72.75": f"{PAPER}: Figure 13b",
+           "672": f"{SOLUTION}: 32 prompts x 21 blocks", "2,000": f"{DEFINED}: an exercise's length"},
+    "08": {"36%": f"{COMPUTED}: 24.8 / 18.2 MB, kv_alloc_MB of the run file it names",
+           "4.5": f"{DEFINED}: a model's name, Ernie 4.5"},
+    "09": {"160": f"{DEFINED}: the docs' arrival=40 + 40 * j, j = 3",
+           "1.2": f"{DEFINED}: PAD_LIMIT in pagedlib/kernels/varlen.py"},
+    "10": {"480": f"{DEFINED}: e4m3's midpoint between 448 and 512, where the older header's NaN starts",
+           "0.075": f"{COMPUTED}: 0.3 / 4 beside it", "768": f"{COMPUTED}: B x T = 8 x 96 in the code"},
+    "11": {"300": f"{DEFINED}: an example's length", "500": f"{DEFINED}: unique_documents_like's "
+           "doc_len // 2", "192": f"{COMPUTED}: 12 blocks x 16", "208": f"{SOLUTION}: 13 blocks x 16"},
+    "13": {"31.5": f"{DATASHEET}: PCIe 4.0 x16, GB/s each way", "999": f"{SOLUTION}: 1,000 blocks - 1"},
+    "14": {"1,536": f"{COMPUTED}: the formula beside it", "49,152": f"{COMPUTED}: 1,536 x 32",
+           "300": f"{DEFINED}: the tight objective, 0.3 s in the code",
+           "384": f"{SOLUTION}: 12 blocks x 32"},
+}
+
+
+def unprinted_in(notebook: Path) -> list[str]:
+    cells = json.loads(notebook.read_text())["cells"]
+    printed, sections = printed_by(notebook), frozenset(_headings(cells))
+    return [f"cell {index}: {number}" for index, cell in enumerate(cells) if cell["cell_type"] == "markdown"
+            for number in unprinted("".join(cell["source"]), printed, sections)]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem[:2])
+def test_every_number_in_the_prose_is_printed_or_allowed(notebook):
+    """A number the prose quotes is one the notebook's outputs, its code, or a committed file (or notebook)
+    its text names holds, or one of the few ``ALLOWED_NUMBERS`` (definitions, datasheet and paper figures,
+    arithmetic on numbers stated beside it, exercises' answers); see ``unprinted`` for what counts as a
+    number. An allowed number no longer quoted unprinted is an error too, so the list stays short."""
+    allowed = ALLOWED_NUMBERS.get(notebook.stem[:2], {})
+    found = unprinted_in(notebook)
+    problems = [f for f in found if f.split(": ", 1)[1] not in allowed]
+    stale = set(allowed) - {f.split(": ", 1)[1] for f in found}
+    assert not problems, f"{notebook.name} quotes numbers nothing prints:\n" + "\n".join(problems)
+    assert not stale, f"{notebook.name}: ALLOWED_NUMBERS lists {sorted(stale)}, no longer quoted unprinted"
+
+
+def test_the_number_check_tells_numbers_from_names_and_matches_other_formats():
+    printed = numbers_in("print(f'{x:,}')  # 12032 tokens, 31.46 ms, hit rate 0.7342\nsize = 1_342_177_280")
+    assert unprinted("It computes 12,032 tokens in 31.5 ms, a 73% hit rate.", printed) == []
+    assert unprinted("That is 1,342,177,280 bytes; about 31 ms.", printed) == []
+    assert unprinted("It takes 31.6 ms and 12,033 tokens, a 74% hit rate, 0.73 of 512.", printed) == \
+        ["31.6", "12,033", "74%", "512"]
+    assert unprinted("73 tokens", printed) == [] and unprinted("7.3 tokens", printed) == ["7.3"]
+    assert unprinted("vLLM 0.32.0 (v1, torch 2.13, 2023) in notebook 07, section 4.2, Figure 13, §6.2, "
+                     "issue #2614, arXiv:2209.05433; Llama-3-70B, e4m3, fp16, `x = 4096`, "
+                     "[a run](../results/run-4096.json), results/2026-12-05/a1.json.", set()) == []
+    assert unprinted("## 7.2 The model\nThe premise of 7.2 and 7.9.", set(), frozenset({"7.2"})) == ["7.9"]
+
+
+def test_the_number_check_flags_an_unprinted_number_put_into_a_notebook(tmp_path):
+    source = NOTEBOOKS[0]
+    nb = json.loads(source.read_text())
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+    cell["source"] = ["".join(cell["source"]) + "\n", "On a GPU it runs at 123,456.7 tokens per second."]
+    copy = tmp_path / source.name
+    copy.write_text(json.dumps(nb))
+    assert "123,456.7" in [f.split(": ", 1)[1] for f in unprinted_in(copy)]
