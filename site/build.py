@@ -1,9 +1,10 @@
 """Build the course website from the committed, executed notebooks: ``python site/build.py [OUT]``.
 
 Every ``notebooks/[0-9]*.ipynb`` becomes a chapter, in file-name order, and a row of the landing page's
-chapter table (its title is the notebook's first ``# `` heading); ``notebooks/glossary.md`` is the last
-page. The sources are staged in ``OUT-src`` (the notebooks copied, never re-executed), then Sphinx writes
-HTML to ``OUT`` (default ``build/site``, git-ignored like ``build/site-src``); open ``OUT/index.html``.
+chapter table (its title is the notebook's first ``# `` heading); ``notebooks/cheatsheet.md`` and
+``notebooks/glossary.md`` are the last two pages, in that order. The sources are staged in ``OUT-src``
+(the notebooks copied, never re-executed), then Sphinx writes HTML to ``OUT`` (default ``build/site``,
+git-ignored like ``build/site-src``); open ``OUT/index.html``.
 
 The script deletes and rebuilds ``OUT`` and ``OUT-src`` only if it made them: it leaves a marker file in
 every folder it creates, and refuses (exit 2) a folder that holds anything else. A notebook it cannot read
@@ -124,6 +125,7 @@ def stage(src: Path, notebooks: list[tuple[Path, dict]]) -> list[tuple[str, str]
     if (NOTEBOOKS / "images").is_dir():
         shutil.copytree(NOTEBOOKS / "images", src / "images")  # the notebooks link images/...
     shutil.copy(NOTEBOOKS / "glossary.md", src / "glossary.md")  # every chapter links glossary.md
+    shutil.copy(NOTEBOOKS / "cheatsheet.md", src / "cheatsheet.md")  # it links the chapters and the glossary
     chapters = []
     for path, nb in notebooks:
         (src / path.name).write_text(json.dumps(static_outputs(nb), ensure_ascii=False))
@@ -135,7 +137,7 @@ def chapter_table(chapters: list[tuple[str, str]]) -> str:
     """The landing page's chapter table and the (hidden) toctree that orders the pages."""
     rows = [f"| {name[:2]} | [{_escape(t.split('·', 1)[-1].strip())}](<{name}.ipynb>) |"
             for name, t in chapters]
-    toc = "\n".join([*(name for name, _ in chapters), "glossary"])
+    toc = "\n".join([*(name for name, _ in chapters), "cheatsheet", "glossary"])
     return "\n".join(["| # | chapter |", "|---|---|", *rows, "", "```{toctree}", ":hidden:",
                       ":maxdepth: 1", "", toc, "```"])
 

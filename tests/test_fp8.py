@@ -21,7 +21,7 @@ from test_cache_stateful import CacheMachine, D, H, L, kv_of
 
 from pagedlib.calibration import kv_scale
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.fp8 import FP8_DTYPES, dequantize, quantize
+from pagedlib.core.fp8 import FP8_DTYPES, dequantize, quantize, rounding_bound
 from pagedlib.kernels.attention import (
     REL_ERROR_LIMITS,
     TOLERANCES,
@@ -68,6 +68,20 @@ def test_range_ends_and_specials(fmt):
     q = quantize(x, 1.0, fmt).float()
     assert q[:4].tolist() == [top, -top, top, -top]  # saturated: e5m2 has an inf, and we never write it
     assert q[4].isnan() and q[5:].tolist() == [0.0, 0.0]
+
+
+@FORMATS
+def test_rounding_bound_is_the_worst_relative_error_over_the_normal_range(fmt):
+    finfo = torch.finfo(fmt)
+    for scale in (1.0, 0.0176):  # a scale moves the range, not the relative spacing
+        x = torch.logspace(math.log10(finfo.smallest_normal), math.log10(finfo.max), 20001,
+                           dtype=torch.float64) * scale
+        x = x.float()[:, None, None]
+        error = ((dequantize(quantize(x, scale, fmt), scale).double() - x.double()) / x.double()).abs()
+        worst = rounding_bound(fmt) / (1 + rounding_bound(fmt))  # half a step above a power of two
+        assert 0.99 * worst < error.max().item() <= worst + 1e-6
+    with pytest.raises(ValueError, match="dtype"):
+        rounding_bound(torch.float16)
 
 
 @FORMATS

@@ -258,6 +258,17 @@ def test_the_glossary_is_a_page_of_the_site(site):
         assert any(ref.split("#")[0] == "glossary.html" for ref in refs), f"{name}.html does not link it"
 
 
+def test_the_cheat_sheet_is_a_page_of_the_site_before_the_glossary(site):
+    assert (site / "cheatsheet.html").is_file()
+    page = html.unescape((site / "cheatsheet.html").read_text(encoding="utf-8"))
+    for entry in ("KV bytes per token", "Sliding window", "Split-K", "FP8", "Goodput", "vLLM 0.32.0"):
+        assert entry in page, f"the cheat sheet page lacks {entry}"
+    refs = [ref.split("#")[0] for ref in _parse(site / "cheatsheet.html").refs]
+    assert "glossary.html" in refs and "01_memory_sizing.html" in refs, "it links the glossary and chapters"
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert index.index('href="cheatsheet.html"') < index.rindex('href="glossary.html"'), "the toctree order"
+
+
 def test_every_internal_link_and_fragment_resolves(site):
     pages = {p: _parse(p) for p in site.glob("*.html")}  # the pages (_static holds theme templates)
     checked = 0

@@ -19,6 +19,7 @@ from pagedlib.teach.sizing import (
     format_bytes,
     kv_bytes_per_token,
     max_sequences,
+    mean_tail_waste,
     paged_kv_bytes,
     paged_utilization,
     paged_wasted_slots,
@@ -216,3 +217,11 @@ def test_synthetic_prefix_is_stable_and_chunks_match_lists():
     assert synthetic_seq_lens(5, seed=1) == synthetic_seq_lens(50, seed=1)[:5]
     chunks = synthetic_seq_len_chunks(3, seed=1)  # the calculator reads the same stream in chunks
     assert [n for _ in range(3) for n in next(chunks).tolist()] == synthetic_seq_lens(9, seed=1)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16, 256])
+def test_mean_tail_waste_is_the_mean_over_one_period_of_lengths(block_size):
+    tails = [paged_wasted_slots(n, block_size) for n in range(1000, 1000 + block_size)]
+    assert max(tails) == block_size - 1 and mean_tail_waste(block_size) == sum(tails) / block_size
+    with pytest.raises(ValueError, match="block_size"):
+        mean_tail_waste(0)

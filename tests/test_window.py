@@ -12,7 +12,12 @@ from helpers import assert_unchanged, snapshot
 
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.kernels.attention import paged_attention, sliding_window_attention, sliding_window_mask
-from pagedlib.sim.window import release_leading_blocks, release_outside_window
+from pagedlib.sim.window import (
+    release_leading_blocks,
+    release_outside_window,
+    window_held_blocks,
+    window_span_blocks,
+)
 from pagedlib.testing import check_invariants, fill_unused
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
@@ -73,6 +78,23 @@ def test_release_outside_window_keeps_what_the_newest_token_sees():
         release_outside_window(cache, 0, 0)
     with pytest.raises(KeyError):
         release_outside_window(cache, 1, 4)
+
+
+@pytest.mark.parametrize("window,block_size", [(1, 1), (1, 4), (5, 4), (6, 4), (8, 4), (9, 4), (16, 16),
+                                               (17, 16), (4096, 16)])
+def test_window_bounds_are_the_most_blocks_a_window_touches_and_a_request_holds(window, block_size):
+    # the blocks that positions start .. start + window - 1 touch, over every offset in a block
+    touched = [(start + window - 1) // block_size - start // block_size + 1 for start in range(block_size)]
+    assert window_span_blocks(window, block_size) == max(touched)
+    # grow one sequence token by token, releasing before each write as WindowScheduler.schedule does
+    cache = PagedKVCache(window // block_size + 4, 1, block_size, 1, 1)
+    cache.add_sequence(0)
+    most = 0
+    for _ in range(window + 3 * block_size):
+        release_outside_window(cache, 0, window)
+        cache.append_token(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+        most = max(most, len(cache.tables[0]))
+    assert window_held_blocks(window, block_size) == most == math.ceil(window / block_size) + 1
 
 
 def sdpa_window(q, k, v, window):

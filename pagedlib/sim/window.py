@@ -36,6 +36,21 @@ def release_outside_window(cache: PagedKVCache, seq_id: Hashable, window: int) -
     return len(release_leading_blocks(cache, seq_id, dead)) * cache.block_size
 
 
+def window_span_blocks(window: int, block_size: int) -> int:
+    """The most blocks that ``window`` consecutive positions touch: ``ceil((window + block_size - 1) /
+    block_size)``, reached when the window's first position is the last slot of a block."""
+    window = as_int("window", window, minimum=1)
+    return ceil_div(window + as_int("block_size", block_size, minimum=1) - 1, block_size)
+
+
+def window_held_blocks(window: int, block_size: int) -> int:
+    """The most blocks a request holds under ``WindowScheduler``: ``ceil((window + block_size) /
+    block_size)``, ``ceil(window / block_size) + 1``. A step frees the blocks behind the window before it
+    writes the step's token, so up to ``window + block_size - 1`` positions stay, plus the new one."""
+    window = as_int("window", window, minimum=1)
+    return ceil_div(window + as_int("block_size", block_size, minimum=1), block_size)
+
+
 class WindowScheduler(Scheduler):
     """The scheduler for a model with a sliding window of ``sliding_window`` positions: each step first
     frees the blocks behind every running request's window, and a prefill stores only the blocks the
@@ -54,8 +69,8 @@ class WindowScheduler(Scheduler):
         self.skipped_tokens = 0  # computed at admission but never stored: behind the window already
 
     def blocks_alone(self, request: Request) -> int:
-        most = min(request.max_kv_len, self.window + self.block_size)  # see first_stored
-        return ceil_div(most, self.block_size)
+        alone = ceil_div(request.max_kv_len, self.block_size)  # no more than its own length needs
+        return min(alone, window_held_blocks(self.window, self.block_size))  # see first_stored
 
     def schedule(self) -> StepPlan:
         for request in self.running:

@@ -81,6 +81,14 @@ def paged_wasted_slots(seq_len: int, block_size: int) -> int:
     return blocks_needed(seq_len, block_size) * block_size - seq_len
 
 
+def mean_tail_waste(block_size: int) -> float:
+    """Empty slots at the end of a sequence's last block, averaged over lengths spread evenly over the
+    remainders modulo ``block_size``: the mean of ``paged_wasted_slots`` over ``0 .. block_size - 1``,
+    ``(block_size - 1) / 2``."""
+    block_size = as_int("block_size", block_size, minimum=1, maximum=MAX_SEQ_LEN)
+    return (block_size - 1) / 2
+
+
 def contiguous_wasted_slots(seq_len: int, max_tokens: int) -> int:
     """Reserved but unused slots of a sequence that pre-allocated ``max_tokens``."""
     lens, max_tokens = _check_reserved([as_int("seq_len", seq_len, minimum=0)], max_tokens)
