@@ -329,11 +329,12 @@ def _code_and_outputs(cells: list[dict]) -> str:
 def printed_by(notebook: Path) -> set[float]:
     """The numbers of the notebook's code and outputs, of the committed files its prose names (a path from
     the repository's root, from notebooks/ or a file of benchmarks/results/, or a module of pagedlib). Not
-    another notebook's outputs: they would match the prose's numbers by chance too often."""
+    another notebook's outputs, nor the glossary and the cheat sheet, which every notebook links: they would
+    match the prose's numbers by chance too often."""
     cells = json.loads(notebook.read_text())["cells"]
     prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     texts = [_code_and_outputs(cells)]
-    names = set(NAMED_FILE.findall(prose))
+    names = set(NAMED_FILE.findall(prose)) - {"glossary.md", "cheatsheet.md"}
     for module in set(NAMED_MODULE.findall(prose)):               # pagedlib.sim.workloads.shared_prompt_like
         parts = module.split(".")
         names |= {"/".join(parts[:cut]) + ".py" for cut in range(2, len(parts) + 1)}
@@ -364,7 +365,8 @@ ALLOWED_NUMBERS = {
            "169": f"{SOLUTION}: max_sequences with the hint's arguments (the reader's cell prints it)",
            "663": f"{SOLUTION}: the same for Llama-3-8B", "3.9": f"{SOLUTION}: 663 / 169"},
     "03": {"0.9": f"{DEFINED}: the player's interval, 900 ms in pagedlib/teach/tracer.py"},
-    "05": {"3.35": f"{DATASHEET}: H100 SXM HBM bandwidth, TB/s", "990": f"{DATASHEET}: H100 SXM dense fp16",
+    "05": {"264": f"{COMPUTED}: 2 x 132 SMs, two programs an SM",
+           "3.35": f"{DATASHEET}: H100 SXM HBM bandwidth, TB/s", "990": f"{DATASHEET}: H100 SXM dense fp16",
            "4.8": f"{DATASHEET}: H200 HBM bandwidth, TB/s", "124": f"{COMPUTED}: 132 SMs - 8 programs",
            "108": f"{DATASHEET}: A100's SMs", "216": f"{SOLUTION}: two waves of 108 SMs"},
     "06": {"127": f"{DEFINED}: randint(16, 128)'s largest", "12,032": f"{COMPUTED}: 47 x 256 beside it",
@@ -373,11 +375,13 @@ ALLOWED_NUMBERS = {
            "336": f"{COMPUTED}: 21 blocks x 16",
            "43.24": f"{PAPER}: Figure 13b", "72.75": f"{PAPER}: Figure 13b",
            "672": f"{SOLUTION}: 32 prompts x 21 blocks", "2,000": f"{DEFINED}: an exercise's length"},
-    "08": {"36%": f"{COMPUTED}: 24.8 / 18.2 MB, kv_alloc_MB of the run file it names",
+    "08": {"1,200": f"{DEFINED}: nano-vllm's README, its size in lines",
+           "36%": f"{COMPUTED}: 24.8 / 18.2 MB, kv_alloc_MB of the run file it names",
            "4.5": f"{DEFINED}: a model's name, Ernie 4.5"},
     "09": {"160": f"{DEFINED}: the docs' arrival=40 + 40 * j, j = 3",
            "1.2": f"{DEFINED}: PAD_LIMIT in pagedlib/kernels/varlen.py"},
-    "10": {"480": f"{DEFINED}: e4m3's midpoint between 448 and 512, where the older header's NaN starts",
+    "10": {"1.44": f"{COMPUTED}: bits in a nat, 1 / ln 2",
+           "480": f"{DEFINED}: e4m3's midpoint between 448 and 512, where the older header's NaN starts",
            "0.075": f"{COMPUTED}: 0.3 / 4 beside it", "768": f"{COMPUTED}: B x T = 8 x 96 in the code"},
     "11": {"300": f"{DEFINED}: an example's length", "500": f"{DEFINED}: unique_documents_like's "
            "doc_len // 2", "192": f"{COMPUTED}: 12 blocks x 16", "208": f"{SOLUTION}: 13 blocks x 16"},
