@@ -326,11 +326,15 @@ def _code_and_outputs(cells: list[dict]) -> str:
                      + [t for c in cells for t in _outputs(c)])
 
 
+RAW_DATA_BYTES = 100_000
+
+
 def printed_by(notebook: Path) -> set[float]:
     """The numbers of the notebook's code and outputs, of the committed files its prose names (a path from
     the repository's root, from notebooks/ or a file of benchmarks/results/, or a module of pagedlib). Not
-    another notebook's outputs, nor the glossary and the cheat sheet, which every notebook links: they would
-    match the prose's numbers by chance too often."""
+    another notebook's outputs, nor the glossary and the cheat sheet, which every notebook links, nor a file
+    of raw data (over ``RAW_DATA_BYTES``: ``bench serve``'s token times): they would match the prose's
+    numbers by chance too often."""
     cells = json.loads(notebook.read_text())["cells"]
     prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     texts = [_code_and_outputs(cells)]
@@ -340,7 +344,8 @@ def printed_by(notebook: Path) -> set[float]:
         names |= {"/".join(parts[:cut]) + ".py" for cut in range(2, len(parts) + 1)}
     for name in names:
         for base in (ROOT, ROOT / "notebooks", ROOT / "benchmarks" / "results"):
-            files = [f for f in (base.glob(name) if "*" in name else [base / name]) if f.is_file()]
+            files = [f for f in (base.glob(name) if "*" in name else [base / name])
+                     if f.is_file() and f.stat().st_size <= RAW_DATA_BYTES]
             if files:
                 texts += [f.read_text(errors="ignore") for f in files]
                 break
