@@ -1,13 +1,14 @@
 """Choosing an fp8 cache's scales from data (notebook 10): the largest magnitude of sample K or V mapped
-onto the format's largest finite value. It is offline work before serving, like vLLM's scale calibration:
-nothing on a request's path through the engine calls it (the engine's fp8 cache runs with scale 1.0, vLLM's
-default)."""
+onto the format's largest finite value; and the relative rounding error that remains whatever the scale.
+It is offline work before serving, like vLLM's scale calibration: nothing on a request's path through the
+engine calls it (the engine's fp8 cache runs with scale 1.0, vLLM's default)."""
 
 from __future__ import annotations
 
 import torch
 
 from pagedlib.checks import check_calibration
+from pagedlib.core.fp8 import FP8_DTYPES
 
 
 def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_head: bool = False
@@ -33,3 +34,15 @@ def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_kv_h
     if per_kv_head:
         return scale
     return float(scale[0])
+
+
+def rounding_bound(dtype: torch.dtype) -> float:
+    """A bound on the relative error of rounding to nearest in the fp8 ``dtype``: ``|dequantize(quantize(x))
+    - x| <= bound * |x|`` wherever ``|x| / scale`` lies between the format's smallest normal and largest
+    finite value. It is half the gap between 1 and the next value, ``finfo(dtype).eps / 2 = 2 ** -(mantissa
+    bits + 1)`` (e4m3: 0.0625, e5m2: 0.125); the worst case, a value half a step above a power of two, comes
+    to ``bound / (1 + bound)``. A scale moves the range, not the spacing, so it leaves the bound as it is;
+    below the smallest normal the step is absolute and the relative error grows."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
+    return torch.finfo(dtype).eps / 2

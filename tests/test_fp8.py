@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from test_cache_stateful import CacheMachine, D, H, L, kv_of
 
-from pagedlib.calibration import kv_scale
+from pagedlib.calibration import kv_scale, rounding_bound
 from pagedlib.core.cache import PagedKVCache
-from pagedlib.core.fp8 import FP8_DTYPES, dequantize, quantize, rounding_bound
+from pagedlib.core.fp8 import FP8_DTYPES, dequantize, quantize
 from pagedlib.kernels.attention import (
     REL_ERROR_LIMITS,
     TOLERANCES,

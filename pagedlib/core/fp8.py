@@ -12,7 +12,7 @@ import torch
 from pagedlib.core._checks import FP8_DTYPES, check_fp8_input, check_scale, check_scales
 
 __all__ = ["FP8_DTYPES", "check_scale", "check_scales", "dequantize", "per_head",
-           "quantize", "rounding_bound"]
+           "quantize"]
 
 
 def per_head(scale: float | torch.Tensor) -> float | torch.Tensor:
@@ -38,14 +38,3 @@ def dequantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype 
     return (x.float() * per_head(scale)).to(dtype)
 
 
-
-def rounding_bound(dtype: torch.dtype) -> float:
-    """A bound on the relative error of rounding to nearest in the fp8 ``dtype``: ``|dequantize(quantize(x))
-    - x| <= bound * |x|`` wherever ``|x| / scale`` lies between the format's smallest normal and largest
-    finite value. It is half the gap between 1 and the next value, ``finfo(dtype).eps / 2 = 2 ** -(mantissa
-    bits + 1)`` (e4m3: 0.0625, e5m2: 0.125); the worst case, a value half a step above a power of two, comes
-    to ``bound / (1 + bound)``. A scale moves the range, not the spacing, so it leaves the bound as it is;
-    below the smallest normal the step is absolute and the relative error grows."""
-    if dtype not in FP8_DTYPES:
-        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
-    return torch.finfo(dtype).eps / 2

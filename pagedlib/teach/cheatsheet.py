@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pagedlib.calibration import kv_scale
-from pagedlib.core.fp8 import dequantize, quantize, rounding_bound
+from pagedlib.calibration import kv_scale, rounding_bound
+from pagedlib.core.fp8 import dequantize, quantize
 from pagedlib.core.scheduler import Scheduler
 from pagedlib.kernels.triton_decode import choose_num_splits
 from pagedlib.sim import disagg, offload
@@ -182,7 +182,7 @@ def fp8_entry() -> str:
         f"`x` = {x}, scale 1.0: e4m3 gives back {kept[e4m3]} ({kept[e4m3] / x - 1:+.2%}), e5m2 "
         f"{kept[e5m2]} ({kept[e5m2] / x - 1:+.2%}). Keys up to {amax} (notebook 10's largest): scale "
         f"{amax} / 448 = {scale:.4f}, and `x` = {y} comes back as {scaled:.4f} ({scaled / y - 1:+.2%}).",
-        f"{notebook('10')}; `quantize`, `dequantize`, `rounding_bound` (`pagedlib/core/fp8.py`), `kv_scale` "
+        f"{notebook('10')}; `quantize`, `dequantize` (`pagedlib/core/fp8.py`), `rounding_bound`, `kv_scale` "
         "(`pagedlib/calibration.py`).")
 
 
