@@ -13,6 +13,7 @@ if it fails) on the course's tiny model."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,37 +44,127 @@ def handoff(prompts: Sequence[Sequence[int]], first: Sequence[Sequence[int]]) ->
 
 @dataclass
 class Decoded:
-    """A decode engine's run: per request its tokens, the tokens it found at admission (prefix cache and
-    store, whole blocks), the tokens it computed, and the connector's counters."""
+    """An engine's run with a connector: per request its tokens, the tokens it found at admission (prefix
+    cache and store, whole blocks), the tokens it computed, and the connector's counters. Then its timing
+    (``time.perf_counter``, notebook 14's section 6): per request the step that produced each of its tokens
+    (``token_steps``), and per step its wall-clock seconds (loads and saves included), the seconds of them
+    spent loading blocks from the connector and saving blocks to it, the tokens it computed, the K/V tokens
+    its attention read, and the bytes it moved through the connector's store (read and written)."""
 
     tokens: list[list[int]]
     found: list[int]
     computed: list[int]
     stats: dict[str, int]
+    token_steps: list[list[int]]
+    step_seconds: list[float]
+    load_seconds: list[float]
+    save_seconds: list[float]
+    step_tokens: list[int]
+    step_context: list[int]
+    step_bytes: list[int]
+
+    def times(self, step_seconds: Sequence[float] | None = None) -> list[list[float]]:
+        """Per request, the seconds from the first step's start to the end of the step that produced each
+        of its tokens: measured, or on ``step_seconds`` (a price for each step) if given."""
+        ends, total = [], 0.0
+        for seconds in self.step_seconds if step_seconds is None else step_seconds:
+            total += seconds
+            ends.append(total)
+        return [[ends[step] for step in steps] for steps in self.token_steps]
+
+    def gaps(self, step_seconds: Sequence[float] | None = None) -> list[list[float]]:
+        """Per request, the seconds between each two of its tokens (one fewer than its tokens)."""
+        return [[b - a for a, b in zip(times, times[1:])] for times in self.times(step_seconds)]
 
 
 def decode(engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Decoded:
-    """Step ``engine`` (built with a connector) through ``prompts`` until each has ``max_new_tokens``."""
+    """Step ``engine`` (built with a connector) through ``prompts`` until each has ``max_new_tokens``,
+    timing each step and the connector's loads and saves in it."""
+    connector = engine.connector
+    spent = {"load": 0.0, "save": 0.0}
+
+    def timed(name: str, call: Any) -> Any:
+        def run(*args: Any) -> None:
+            start = time.perf_counter()
+            try:
+                call(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+
     ids = [engine.add_request(prompt, max_new_tokens) for prompt in prompts]
     found: dict[int, int] = {}
     computed = dict.fromkeys(ids, 0)
-    while engine.has_unfinished():
-        output = engine.step()
-        for req_id, n in output.hits.items():
-            found.setdefault(req_id, n)
-        for req_id, n in output.scheduled.items():
-            computed[req_id] += n
+    token_steps: list[list[int]] = [[] for _ in ids]
+    steps: dict[str, list] = {name: [] for name in ("seconds", "load", "save", "tokens", "context", "bytes")}
+    # instance attributes over the class's methods, removed again below
+    connector.start_load_kv = timed("load", connector.start_load_kv)
+    connector.wait_for_save = timed("save", connector.wait_for_save)
+    try:
+        while engine.has_unfinished():
+            spent.update(load=0.0, save=0.0)
+            moved = _bytes_moved(connector)
+            start = time.perf_counter()
+            output = engine.step()
+            steps["seconds"].append(time.perf_counter() - start)
+            steps["load"].append(spent["load"])
+            steps["save"].append(spent["save"])
+            steps["tokens"].append(sum(output.scheduled.values()))
+            steps["context"].append(sum(engine.requests[i].num_computed_tokens for i in output.scheduled))
+            steps["bytes"].append(_bytes_moved(connector) - moved)
+            for req_id, n in output.hits.items():
+                found.setdefault(req_id, n)
+            for req_id, n in output.scheduled.items():
+                computed[req_id] += n
+            step = len(steps["seconds"]) - 1
+            for made, req_id in zip(token_steps, ids):
+                made.extend([step] * (len(engine.requests[req_id].output_tokens) - len(made)))
+    finally:
+        del connector.start_load_kv, connector.wait_for_save
     return Decoded([engine.output(i) for i in ids], [found[i] for i in ids], [computed[i] for i in ids],
-                   engine.connector.stats())
+                   connector.stats(), token_steps, steps["seconds"], steps["load"], steps["save"],
+                   steps["tokens"], steps["context"], steps["bytes"])
+
+
+def _bytes_moved(connector: Any) -> int:
+    stats = connector.stats()
+    return stats.get("bytes_read", 0) + stats.get("bytes_written", 0)
+
+
+def store_throughput(store: KVStore, blocks: int = 16, seed: int = 0) -> tuple[float, float]:
+    """``store``'s (write, read) bytes a second: ``blocks`` new entries of random K/V put, then got
+    (checked as a load checks them), each timed with ``time.perf_counter``."""
+    import hashlib
+
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    keys = [hashlib.sha256(f"throughput {seed} {time.time_ns()} {i}".encode()).hexdigest()
+            for i in range(blocks)]   # new names: a put of an entry the store has writes nothing
+    entries = [(torch.randn(store.shape, generator=generator).to(store.dtype),
+                torch.randn(store.shape, generator=generator).to(store.dtype)) for _ in keys]
+    written, read = store.bytes_written, store.bytes_read
+    start = time.perf_counter()
+    for key, (k, v) in zip(keys, entries):
+        store.put(key, "", k, v, "throughput")
+    write = (store.bytes_written - written) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for key in keys:
+        store.get(key)
+    return write, (store.bytes_read - read) / (time.perf_counter() - start)
 
 
 def decode_in_child(root: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    timeout: float = 300.0, **settings: Any) -> Decoded:
+                    timeout: float = 300.0, *, threads: int | None = None, warm_up: bool = False,
+                    **settings: Any) -> Decoded:
     """``decode`` in a new process: an ``Engine`` on the tiny model with ``settings`` (``num_blocks``,
-    ``block_size``, ...) and a consumer ``StoreConnector`` on ``root``. ``RuntimeError`` with the child's
-    stderr if it fails, ``TimeoutError`` (the child stopped) after ``timeout`` seconds."""
+    ``block_size``, ...) and a consumer ``StoreConnector`` on ``root``. ``threads``: torch's threads in the
+    child (default: torch's own choice); ``warm_up``: first serve one short prompt (under a block, so the
+    store is not asked for it) and time only what follows, as a serving engine is warm before requests
+    come. ``RuntimeError`` with the child's stderr if it fails, ``TimeoutError`` (the child stopped) after
+    ``timeout`` seconds."""
     job = {"root": str(root), "prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
-           "settings": settings}
+           "settings": settings, "threads": threads, "warm_up": warm_up}
     try:
         return Decoded(**run_child(CHILD_MODULE, job, timeout))
     except ChildError as error:
@@ -86,13 +177,19 @@ CHILD_MODULE = "pagedlib.disagg"   # the decode engine's process (``python -m``)
 def _child(job: dict) -> dict:
     from dataclasses import asdict
 
+    import torch
+
     from pagedlib.engine import Engine
     from pagedlib.teach.train_tiny import load_tiny
 
     settings = dict(job["settings"])
     store = tiny_store(job["root"], settings.get("block_size", 32))
     settings.setdefault("block_size", store.block_size)
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
     engine = Engine(load_tiny()[0], connector=StoreConnector(store, "consumer"), **settings)
+    if job.get("warm_up"):
+        engine.generate([[0] * (store.block_size - 1)], 2)   # no full block: nothing is looked up or loaded
     return asdict(decode(engine, job["prompts"], job["max_new_tokens"]))
 
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedlib.core.connector import KVConnector, LoadFailed
-from pagedlib.disagg import decode, decode_in_child, handoff, tiny_store
+from pagedlib.disagg import decode, decode_in_child, handoff, store_throughput, tiny_store
 from pagedlib.engine import Engine
 from pagedlib.kv_transfer.connectors import HostConnector, StoreConnector
 from pagedlib.kv_transfer.host_tier import HostTier
@@ -64,6 +64,46 @@ def test_prefill_here_decode_in_another_process_gives_one_engines_tokens(tiny, r
     assert done.computed == [n + 1 - f + 10 for n, f in zip(LENGTHS, done.found)]
     assert done.stats["loaded_tokens"] == sum(done.found)
     assert done.stats["written_entries"] == 0  # a consumer saves nothing
+
+
+def check_timing(run, new_tokens):
+    """A ``Decoded``'s timing is whole and consistent (no speed is asserted)."""
+    steps = len(run.step_seconds)
+    assert steps > 0
+    for field in (run.load_seconds, run.save_seconds, run.step_tokens, run.step_context, run.step_bytes):
+        assert len(field) == steps
+    assert all(s > 0 for s in run.step_seconds)
+    for load, save, seconds in zip(run.load_seconds, run.save_seconds, run.step_seconds):
+        assert 0 <= load + save <= seconds
+    assert sum(run.step_tokens) == sum(run.computed)
+    assert all(c >= t > 0 for t, c in zip(run.step_tokens, run.step_context))
+    assert sum(run.step_bytes) == run.stats["bytes_read"] + run.stats["bytes_written"]
+    for steps_made, times, gaps, tokens in zip(run.token_steps, run.times(), run.gaps(), run.tokens):
+        assert len(steps_made) == len(times) == len(tokens) == new_tokens
+        assert len(gaps) == len(tokens) - 1
+        assert all(b > a >= 0 for a, b in zip([0.0] + times, times))  # one token a step: times increase
+        assert all(g > 0 for g in gaps)
+    assert run.times([1.0] * steps) == [[step + 1.0 for step in made] for made in run.token_steps]
+
+
+def test_both_sides_of_the_split_are_timed_transfer_included(tiny, reference, tmp_path):
+    prompts, expected = reference
+    engine = Engine(tiny, **SETTINGS, connector=StoreConnector(tiny_store(tmp_path), "producer"))
+    first = decode(engine, prompts, 1)
+    check_timing(first, 1)
+    assert sum(first.save_seconds) > 0 and sum(first.load_seconds) < sum(first.save_seconds)
+    done = decode_in_child(tmp_path, handoff(prompts, first.tokens), 11, threads=1, warm_up=True, **SETTINGS)
+    assert [f + t for f, t in zip(first.tokens, done.tokens)] == expected  # warming up changes no token
+    check_timing(done, 11)
+    assert done.stats["loaded_tokens"] == sum(done.found) > 0   # the warm-up loaded nothing
+    assert sum(done.load_seconds) > 0 and sum(done.save_seconds) < sum(done.load_seconds)
+    assert all(load > 0 for load, moved in zip(done.load_seconds, done.step_bytes) if moved)
+
+
+def test_the_store_throughput_is_measured(tmp_path):
+    store = tiny_store(tmp_path)
+    write, read = store_throughput(store, blocks=2)
+    assert write > 0 and read > 0 and store.stats()["written_entries"] == 2
 
 
 @pytest.mark.parametrize("prefix_caching", [(False, True), (True, False), (True, True)])
