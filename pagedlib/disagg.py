@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,25 +83,12 @@ def decode(engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -
     timing each step and the connector's loads and saves in it."""
     connector = engine.connector
     spent = {"load": 0.0, "save": 0.0}
-
-    def timed(name: str, call: Any) -> Any:
-        def run(*args: Any) -> None:
-            start = time.perf_counter()
-            try:
-                call(*args)
-            finally:
-                spent[name] += time.perf_counter() - start
-        return run
-
     ids = [engine.add_request(prompt, max_new_tokens) for prompt in prompts]
     found: dict[int, int] = {}
     computed = dict.fromkeys(ids, 0)
     token_steps: list[list[int]] = [[] for _ in ids]
     steps: dict[str, list] = {name: [] for name in ("seconds", "load", "save", "tokens", "context", "bytes")}
-    # instance attributes over the class's methods, removed again below
-    connector.start_load_kv = timed("load", connector.start_load_kv)
-    connector.wait_for_save = timed("save", connector.wait_for_save)
-    try:
+    with _timing(connector, spent):
         while engine.has_unfinished():
             spent.update(load=0.0, save=0.0)
             moved = _bytes_moved(connector)
@@ -119,11 +107,30 @@ def decode(engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -
             step = len(steps["seconds"]) - 1
             for made, req_id in zip(token_steps, ids):
                 made.extend([step] * (len(engine.requests[req_id].output_tokens) - len(made)))
-    finally:
-        del connector.start_load_kv, connector.wait_for_save
     return Decoded([engine.output(i) for i in ids], [found[i] for i in ids], [computed[i] for i in ids],
                    connector.stats(), token_steps, steps["seconds"], steps["load"], steps["save"],
                    steps["tokens"], steps["context"], steps["bytes"])
+
+
+@contextmanager
+def _timing(connector: Any, spent: dict[str, float]) -> Iterator[None]:
+    """While the block runs, the connector's loads and saves add their seconds to ``spent["load"]`` and
+    ``spent["save"]`` (instance attributes over the class's methods, removed again at the end)."""
+    def timed(name: str, call: Any) -> Any:
+        def run(*args: Any) -> None:
+            start = time.perf_counter()
+            try:
+                call(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+
+    connector.start_load_kv = timed("load", connector.start_load_kv)
+    connector.wait_for_save = timed("save", connector.wait_for_save)
+    try:
+        yield
+    finally:
+        del connector.start_load_kv, connector.wait_for_save
 
 
 def _bytes_moved(connector: Any) -> int:
