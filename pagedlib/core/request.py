@@ -65,7 +65,8 @@ class Request:
         extended as it grows, as vLLM's ``Request.block_hashes``. The prefix cache's lookups and the
         connectors read the same keys."""
         keys = self._keys.setdefault(block_size, [])
-        keys += chained_keys(self.token_ids, block_size, n, len(keys), keys[-1] if keys else None)
+        if len(keys) < n:  # else nothing to make: not even the token list, which each call would build
+            keys += chained_keys(self.token_ids, block_size, n, len(keys), keys[-1] if keys else None)
         return keys[:n]
 
     def next_token_ids(self, n: int) -> list[int]:
