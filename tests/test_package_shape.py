@@ -88,7 +88,7 @@ LAYERS = ["pagedlib.util", "pagedlib.child",
           "pagedlib.checks", "pagedlib.config", "pagedlib.calibration", "pagedlib.loader", "pagedlib.stats",
           "pagedlib.model", "pagedlib.engine",
           "pagedlib.sim", "pagedlib.teach", "pagedlib.disagg",
-          "pagedlib.vllm", "pagedlib.bench"]
+          "pagedlib.vllm", "pagedlib.bench", "pagedlib.grade"]
 
 
 def layer(module: str) -> int:
