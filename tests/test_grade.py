@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import io
+import json
+import re
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -81,6 +83,26 @@ def committed(path: Path) -> str:
 def test_the_readers_folder_starts_from_the_skeletons(name):
     task = TASKS[name]
     assert committed(READER / task.file) == (PACKAGE / "skeletons" / task.file).read_text()
+
+
+HINT = re.compile(r"^notebook (\d\d), section (\d+) \(([^)]*)\)")
+
+
+def headings(notebook: str) -> set[str]:
+    """The ``## N. Title`` headings of notebook ``NN``, as ``N. Title``."""
+    path = next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb"))
+    cells = json.loads(path.read_text())["cells"]
+    return {line[3:].strip() for c in cells if c["cell_type"] == "markdown"
+            for line in "".join(c["source"]).splitlines() if line.startswith("## ")}
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_every_hint_names_a_section_that_exists(name):
+    for check in TASKS[name].checks:
+        found = HINT.match(check.hint)
+        assert found, f"{check.name!r}: a hint reads 'notebook NN, section K (Title)...': {check.hint!r}"
+        notebook, number, title = found.groups()
+        assert f"{number}. {title}" in headings(notebook), check.hint
 
 
 def catches(path: Path) -> str:

@@ -45,10 +45,10 @@ def whole_blocks(impl) -> None:
 
 TASK = Task("kv_bytes", "01", "kv_bytes.py", "KV bytes per token, and the whole blocks a paged cache holds", (
     Check("a token costs K and V in every layer, for every KV head (never the query heads)", per_token,
-          "notebook 01, section 1: what one token costs"),
+          "notebook 01, section 1 (A KV cache is a stack of tensors)"),
     Check("the six models of notebook 01 cost what its table says", presets,
-          "notebook 01, section 1: the presets' table"),
+          "notebook 01, section 1 (A KV cache is a stack of tensors): its table of models"),
     Check("a paged cache holds whole blocks, and a sequence of 0 tokens none, exactly (no floats)",
           whole_blocks,
-          "notebook 01, section 3: paged allocation rounds each sequence up to a block"),
+          "notebook 01, section 2 (Paging: hold whole blocks, only as many as needed)"),
 ))
