@@ -1,8 +1,9 @@
 """Build the course website from the committed, executed notebooks: ``python site/build.py [OUT]``.
 
 Every ``notebooks/[0-9]*.ipynb`` becomes a chapter, in file-name order, and a row of the landing page's
-chapter table (its title is the notebook's first ``# `` heading); ``notebooks/cheatsheet.md`` and
-``notebooks/glossary.md`` are the last two pages, in that order. The sources are staged in ``OUT-src``
+chapter table (its title is the notebook's first ``# `` heading); then the build-it-yourself track's page
+(``tasks``, made from ``pagedlib.grade``'s tasks), ``notebooks/cheatsheet.md`` and ``notebooks/glossary.md``,
+in that order. The sources are staged in ``OUT-src``
 (the notebooks copied, never re-executed), then Sphinx writes HTML to ``OUT`` (default ``build/site``,
 git-ignored like ``build/site-src``); open ``OUT/index.html``.
 
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))                     # the pagedlib beside this site, installed or not
+from pagedlib.grade.page import markdown as tasks_page  # noqa: E402
+
 SITE, NOTEBOOKS = ROOT / "site", ROOT / "notebooks"
 # Written into every folder this script creates; a folder without it is never deleted.
 MARKER = ".made-by-site-build"
@@ -130,6 +134,8 @@ def stage(src: Path, notebooks: list[tuple[Path, dict]]) -> list[tuple[str, str]
     for path, nb in notebooks:
         (src / path.name).write_text(json.dumps(static_outputs(nb), ensure_ascii=False))
         chapters.append((path.stem, title(nb)))
+    pages = {name[:2]: f"{name}.ipynb" for name, _ in chapters}
+    (src / "tasks.md").write_text(tasks_page(pages))         # the build-it-yourself track, from its tasks
     return chapters
 
 
@@ -137,7 +143,7 @@ def chapter_table(chapters: list[tuple[str, str]]) -> str:
     """The landing page's chapter table and the (hidden) toctree that orders the pages."""
     rows = [f"| {name[:2]} | [{_escape(t.split('·', 1)[-1].strip())}](<{name}.ipynb>) |"
             for name, t in chapters]
-    toc = "\n".join([*(name for name, _ in chapters), "cheatsheet", "glossary"])
+    toc = "\n".join([*(name for name, _ in chapters), "tasks", "cheatsheet", "glossary"])
     return "\n".join(["| # | chapter |", "|---|---|", *rows, "", "```{toctree}", ":hidden:",
                       ":maxdepth: 1", "", toc, "```"])
 

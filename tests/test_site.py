@@ -269,6 +269,19 @@ def test_the_cheat_sheet_is_a_page_of_the_site_before_the_glossary(site):
     assert index.index('href="cheatsheet.html"') < index.rindex('href="glossary.html"'), "the toctree order"
 
 
+def test_the_build_it_yourself_page_shows_every_task_and_links_its_chapter(site):
+    from pagedlib.grade import TASKS
+
+    page = html.unescape((site / "tasks.html").read_text(encoding="utf-8"))
+    refs = {ref.split("#")[0] for ref in _parse(site / "tasks.html").refs}
+    for task in TASKS.values():
+        assert f"notebooks/tasks/{task.file}" in page and task.checks[0].name in page, task.name
+        assert any(r.startswith(task.notebook + "_") for r in refs), f"{task.name}: no link to its chapter"
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert 'href="tasks.html"' in index
+    assert index.index('href="tasks.html"') < index.index('href="cheatsheet.html"'), "the toctree order"
+
+
 def test_every_internal_link_and_fragment_resolves(site):
     pages = {p: _parse(p) for p in site.glob("*.html")}  # the pages (_static holds theme templates)
     checked = 0
