@@ -268,3 +268,20 @@ def test_grading_writes_nothing_in_the_readers_folder_or_the_repository():
     new = sorted(str(p.relative_to(ROOT)) for p in set(after) - set(before) if "__pycache__" not in p.parts)
     assert not new and not (READER / ".hypothesis").exists()
     assert all(after[p] == before[p] for p in before if p in after and p.parent == READER)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: grade(3), "task must be one of"),
+    (lambda: grade("kv_bytes", impl=WRONG / "kv_bytes" / "query_heads.py", reference=True), "not both"),
+    (lambda: grade("kv_bytes", impl="/no/such/file.py"), "impl: no file at"),
+])
+def test_the_python_call_refuses_bad_arguments_before_running_anything(call, says):
+    with pytest.raises((ValueError, FileNotFoundError), match=says):
+        call()
+
+
+def test_a_report_counts_and_names_what_failed():
+    report = grade("kv_bytes", impl=WRONG / "kv_bytes" / "k_only.py")
+    assert not report.passed and report.status.startswith("failing: ")
+    text = str(report)
+    assert text.count("FAIL") == sum(not r.ok for r in report.results) and "reread: notebook 01" in text
