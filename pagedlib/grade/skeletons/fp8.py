@@ -8,8 +8,8 @@ reads the byte back as float32 and multiplies by the same ``scale``. One scale p
 Both formats are graded: ``torch.float8_e4m3fn`` (e4m3: largest finite value 448, no infinities) and
 ``torch.float8_e5m2`` (e5m2: 57344, with infinities). ``torch.finfo(dtype).max`` is the largest finite value.
 Round with torch's cast, ``.to(dtype)`` (round to nearest even): the lesson is the scale and the clamp.
-torch 2.13's cast saturates e4m3 by itself (earlier versions gave NaN from 480 up), but sends e5m2 beyond its
-range to inf: clamp first and rely on no version's cast.
+torch 2.13's cast saturates e4m3 by itself (earlier versions gave NaN from 480 up), but sends e5m2 to inf from
+61440 up (half a step past 57344): clamp first, and rely on no version's cast.
 
 Checked, against pagedlib's ``kv_scale``, ``quantize`` and ``dequantize`` bit for bit, on float32 vectors of
 1 to 8 values (each 0 or of magnitude 2**-100 to 2**100, about 1e-30 to 1e30): the scale (compared as

@@ -1,6 +1,6 @@
 """Catches: values beyond the format's range saturate to its largest finite value (never inf or NaN)
 
-Casts without clamping: torch 2.13 saturates e4m3 by itself, but sends e5m2 beyond 57344 to inf."""
+Casts without clamping: torch 2.13 saturates e4m3 by itself, but sends e5m2 to inf from 61440 up."""
 
 import torch
 
