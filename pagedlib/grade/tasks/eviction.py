@@ -44,7 +44,7 @@ def written(op: tuple) -> str:
 
 
 def same_state(ours: LRU, theirs, case: dict) -> None:
-    expect_equal("keys(), the next evicted first", ours.keys(), list(theirs.keys()), case)
+    expect_equal("keys(), the next evicted first", ours.keys(), theirs.keys(), case)
     expect_equal("len()", len(ours), len(theirs), case)
     expect_equal("which keys are held (key in policy, for keys 0 to 7)", [k in ours for k in KEYS],
                   [k in theirs for k in KEYS], case)
