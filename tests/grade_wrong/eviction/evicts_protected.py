@@ -1,0 +1,37 @@
+"""Catches: a protected block is never evicted
+
+Ignores protected: it may evict a block the store itself or a read is using."""
+
+
+class LRU:
+    def __init__(self):
+        self.line = {}
+
+    def __contains__(self, key):
+        return key in self.line
+
+    def __len__(self):
+        return len(self.line)
+
+    def keys(self):
+        return list(self.line)
+
+    def insert(self, key):
+        self.line[key] = None
+
+    def remove(self, key):
+        del self.line[key]
+
+    def touch(self, keys):
+        for key in reversed(keys):
+            if key in self.line:
+                del self.line[key]
+                self.line[key] = None
+
+    def evict(self, n, protected):
+        chosen = list(self.line)[:n]
+        if len(chosen) < n:
+            return None
+        for key in chosen:
+            del self.line[key]
+        return chosen

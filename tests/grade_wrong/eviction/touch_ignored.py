@@ -1,0 +1,34 @@
+"""Catches: a touched block goes to the back of the line, the first of the list last
+
+touch does nothing: the line keeps the order of insertion (first in, first out)."""
+
+
+class LRU:
+    def __init__(self):
+        self.line = {}
+
+    def __contains__(self, key):
+        return key in self.line
+
+    def __len__(self):
+        return len(self.line)
+
+    def keys(self):
+        return list(self.line)
+
+    def insert(self, key):
+        self.line[key] = None
+
+    def remove(self, key):
+        del self.line[key]
+
+    def touch(self, keys):
+        pass
+
+    def evict(self, n, protected):
+        chosen = [key for key in self.line if key not in protected][:n]
+        if len(chosen) < n:
+            return None
+        for key in chosen:
+            del self.line[key]
+        return chosen

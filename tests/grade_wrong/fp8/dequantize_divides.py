@@ -1,0 +1,21 @@
+"""Catches: dequantize multiplies by the same scale: the same float32 values as pagedlib's
+
+Divides by the scale on the way back instead of multiplying by it."""
+
+import torch
+
+
+def kv_scale(x, dtype=torch.float8_e4m3fn):
+    amax = x.abs().max().item()
+    if amax == 0:
+        return 1.0
+    return amax / torch.finfo(dtype).max
+
+
+def quantize(x, scale, dtype=torch.float8_e4m3fn):
+    top = torch.finfo(dtype).max
+    return (x / scale).clamp(-top, top).to(dtype)
+
+
+def dequantize(q, scale):
+    return q.float() / scale
