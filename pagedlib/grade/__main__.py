@@ -39,4 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:               # `python -m pagedlib.grade | head`: the reader has seen enough
+        sys.stderr.close()
+        sys.exit(1)
