@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.grade.framework import Check, Failed, Task, cases, expect_equal
 
+
 def examples(n: int) -> settings:
     """``n`` generated cases, and only the smallest failure reported (a wrong answer can fail two ways)."""
     return settings(cases(n), report_multiple_bugs=False)
@@ -119,7 +120,8 @@ def must_raise(call: Any, what: str, shown: dict) -> None:
     except NotImplementedError:
         raise
     except Exception as error:
-        raise Failed(what, expected="IndexError", got=f"{type(error).__name__}: {error}", case=shown) from error
+        got = f"{type(error).__name__}: {error}"
+        raise Failed(what, expected="IndexError", got=got, case=shown) from error
     raise Failed(what, expected="IndexError", got=f"it returned {got!r}", case=shown)
 
 
@@ -161,17 +163,18 @@ def inverse(impl: Any) -> None:
 
 TASK = Task("slots", "03", "slots.py", "A token's slot through the block table, and back", (
     Check("token p lives in slot table[p // block_size] * block_size + p % block_size", slot_of,
-          "notebook 03, section 3 (The trace of the article, one step at a time): step 1, where token 6 lives"),
-    Check("the last token of a block and the first of the next land in their own blocks (no off-by-one at a "
-          "boundary)", boundaries,
+          "notebook 03, section 3 (The trace of the article, one step at a time): step 1, where token 6 "
+          "lives"),
+    Check("the last token of a block and the first of the next land in their own blocks (no off-by-one)",
+          boundaries,
           "notebook 02, section 2 (Build a cache): position p lives in logical block p // block_size, at "
           "offset p % block_size"),
     Check("slot_mapping lists the slots of positions start to stop - 1, in order", mapping,
           "notebook 02, section 6 (A whole decode step at once: `append_batch`): flat slot ids, vLLM's "
           "slot_mapping"),
     Check("a position outside the table (negative, or len(table) * block_size and past) raises IndexError",
-          outside, "notebook 03, section 3 (The trace of the article, one step at a time): a table of n blocks "
-          "holds positions 0 to n * block_size - 1"),
+          outside, "notebook 03, section 3 (The trace of the article, one step at a time): a table of n "
+          "blocks holds positions 0 to n * block_size - 1"),
     Check("a slot splits back into its block and offset", inverse,
           "notebook 02, section 6 (A whole decode step at once: `append_batch`): the kernel splits each slot "
           "id into block and offset"),

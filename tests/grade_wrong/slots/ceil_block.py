@@ -1,7 +1,8 @@
-"""Catches: the last token of a block and the first of the next land in their own blocks (no off-by-one at a boundary)
+"""Catches: the last token of a block and the first of the next land in their own blocks (no off-by-one)
 
-Takes the logical block as ceil(p / block_size) - 1, the last block of a sequence of p tokens (not p + 1): one block early at every boundary.
-"""
+Takes the logical block as ceil(p / block_size) - 1, the last block of a sequence of p tokens (not p + 1):
+one block early at every boundary."""
+
 
 def slot_of(block_table, block_size, position):
     if not 0 <= position < len(block_table) * block_size:

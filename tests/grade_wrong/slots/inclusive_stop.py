@@ -1,7 +1,7 @@
 """Catches: slot_mapping lists the slots of positions start to stop - 1, in order
 
-Includes stop itself: one slot too many (or an IndexError at the end of the table).
-"""
+Includes stop itself: one slot too many (or an IndexError at the end of the table)."""
+
 
 def slot_of(block_table, block_size, position):
     if not 0 <= position < len(block_table) * block_size:

@@ -1,7 +1,7 @@
 """Catches: token p lives in slot table[p // block_size] * block_size + p % block_size
 
-Uses the logical block p // block_size as if it were the physical one: the block table is never read.
-"""
+Uses the logical block p // block_size as if it were the physical one: the block table is never read."""
+
 
 def slot_of(block_table, block_size, position):
     if not 0 <= position < len(block_table) * block_size:

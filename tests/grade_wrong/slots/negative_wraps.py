@@ -1,7 +1,7 @@
 """Catches: a position outside the table (negative, or len(table) * block_size and past) raises IndexError
 
-Checks no bound: a negative position reads the table from its end instead of raising IndexError.
-"""
+Checks no bound: a negative position reads the table from its end instead of raising IndexError."""
+
 
 def slot_of(block_table, block_size, position):
     return block_table[position // block_size] * block_size + position % block_size

@@ -1,7 +1,7 @@
 """Catches: a slot splits back into its block and offset
 
-Returns (offset, block): divmod's two results the wrong way round.
-"""
+Returns (offset, block): divmod's two results the wrong way round."""
+
 
 def slot_of(block_table, block_size, position):
     if not 0 <= position < len(block_table) * block_size:
