@@ -71,8 +71,8 @@ def slot_of(impl: Any) -> None:
     def prop(case):
         table, block_size, position = case
         shown = dict(block_table=table, block_size=block_size, position=position)
-        expect_equal("slot id", slots(table, block_size)[position], impl.slot_of(table, block_size, position),
-                     shown)
+        expect_equal(f"slot id of position {position}", slots(table, block_size)[position],
+                     impl.slot_of(table, block_size, position), shown)
     prop()
 
 
@@ -138,13 +138,14 @@ def outside(impl: Any) -> None:
             raise AssertionError(f"pagedlib's cache holds position {position}")
         except IndexError:
             pass
+        holds = f"holds positions 0 to {capacity - 1}" if capacity else "holds no position"
         shown = dict(block_table=table, block_size=block_size, position=position)
         must_raise(lambda: impl.slot_of(table, block_size, position),
-                   f"slot_of: position {position} is outside a table of {capacity} slots", shown)
+                   f"slot_of at position {position}: the table {holds}", shown)
         start, stop = (position, capacity) if before else (0, position + 1)
         shown = dict(block_table=table, block_size=block_size, start=start, stop=stop)
         must_raise(lambda: impl.slot_mapping(table, block_size, start, stop),
-                   f"slot_mapping: position {position} is outside a table of {capacity} slots", shown)
+                   f"slot_mapping from {start} to {stop}: the table {holds}", shown)
     prop()
 
 
