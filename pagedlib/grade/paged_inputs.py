@@ -4,12 +4,14 @@ sit in a ``PagedKVCache``, as ``paged_attention`` takes them, with what the chec
 ``Case`` names an input in plain numbers (the failing input a reader sees); ``build`` makes its tensors:
 blocks handed out in a shuffled order, every slot that holds no token filled with what a previous owner
 left (random numbers) or with garbage (NaN, or 1e4), block tables padded with -1 or with the ids of free
-blocks full of garbage. ``compare`` holds an output to the float64 oracle at the dtype's tolerance, and
-``head_probe`` builds inputs on which each query head's output says which KV head it read.
+blocks full of garbage. ``compare`` runs the reader's code, checks that it left its inputs as they were and
+holds its output to the float64 oracle at the dtype's tolerance; ``head_probe`` builds inputs on which
+each query head's output says which KV head it read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,7 +23,7 @@ from pagedlib.testing import fill_unused
 from pagedlib.util import ceil_div
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-GARBAGE = 1e4        # large, finite in every dtype: a slot read by mistake takes over a softmax
+ARGS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens")
 
 
 @dataclass(frozen=True)
@@ -88,16 +90,23 @@ def build(case: Case) -> tuple[torch.Tensor, ...]:
     return q, k_cache, v_cache, tables, cache.seq_lens_tensor(batch)
 
 
-def compare(what: str, out: object, args: tuple[torch.Tensor, ...], case: Case,
+def compare(what: str, run: Callable[[], object], args: tuple[torch.Tensor, ...], case: Case,
             tol: dict | None = None) -> None:
-    """``Failed`` unless ``out`` has ``q``'s shape and dtype and equals ``paged_attention_oracle`` (float64)
-    within ``tol`` (default: ``TOLERANCES`` of the dtype); the failure names the first sequence and query
-    head that differ."""
+    """``Failed`` unless ``run()`` (the reader's code on ``args``) leaves ``args`` as they were and returns a
+    tensor of ``q``'s shape and dtype equal to ``paged_attention_oracle`` (float64, computed first) within
+    ``tol`` (default: ``TOLERANCES`` of the dtype); a failure names the first sequence and query head that
+    differ."""
     q = args[0]
+    oracle = paged_attention_oracle(*args, case.scale)          # float64 [batch, q_heads, head_dim]
+    before = [a.clone() for a in args]
+    out = run()
+    for name, now, then in zip(ARGS, args, before):
+        if not (now.eq(then) | (now.isnan() & then.isnan())).all():
+            raise Failed(f"{what}: your code changed its input {name}; it may only read it",
+                         case=case.shown())
     expect_equal(f"{what}: a tensor of q's shape and dtype", (tuple(q.shape), q.dtype),
                  (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__,
                  case.shown())
-    oracle = paged_attention_oracle(*args, case.scale)          # float64 [batch, q_heads, head_dim]
     label = "the tolerance" if tol else f"{case.dtype}'s tolerance"
     tol = tol or TOLERANCES[q.dtype]
     close = (out.double() - oracle).abs() <= tol["atol"] + tol["rtol"] * oracle.abs()

@@ -56,7 +56,7 @@ def each(cases: list[Case], what: str, make=build, tol: dict | None = None):
     def run(impl) -> None:
         for case in cases:
             args = make(case)
-            compare(what, launch(impl, case, args), args, case, tol)
+            compare(what, lambda case=case, args=args: launch(impl, case, args), args, case, tol)
     return run
 
 

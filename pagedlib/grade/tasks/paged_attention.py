@@ -45,7 +45,7 @@ def attend(impl, case: Case, what: str) -> None:
     hold it to the oracle."""
     args = build(case)
     extra = {} if case.scale is None else {"scale": case.scale}
-    compare(what, impl.paged_attention(*args, **extra), args, case)
+    compare(what, lambda: impl.paged_attention(*args, **extra), args, case)
 
 
 def matches_oracle(impl) -> None:
