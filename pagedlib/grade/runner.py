@@ -20,6 +20,10 @@ PACKAGE = Path(__file__).resolve().parent
 ROOT = PACKAGE.parent.parent                 # the repository holding pagedlib (an editable install)
 READER = ROOT / "notebooks" / "tasks"        # the reader's files
 MEMORY_MB = 4096                             # the child's address space (torch alone maps about 1 GiB)
+# the child's environment: the memory cap; kernels in Triton's interpreter, on the CPU tensors the checks
+# build, even where CUDA is (compiled Triton cannot read them); one thread, since the checks' tensors are
+# tiny and several threads on a busy machine made them 5-10x slower (a softmax of a few numbers took 11 ms)
+CHILD_ENV = {"PAGEDLIB_GRADE_MEMORY_MB": str(MEMORY_MB), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
 
 def task_of(name: str) -> Task:
@@ -110,7 +114,7 @@ def run_task(task: Task, path: Path, child: list[Child | None],
             results.append(Result(check.name, check.hint, False, "skipped", f"not run: {stopped}"))
             continue
         if child[0] is None:
-            child[0] = Child("pagedlib.grade.worker", env={"PAGEDLIB_GRADE_MEMORY_MB": str(MEMORY_MB)})
+            child[0] = Child("pagedlib.grade.worker", env=CHILD_ENV)
         seconds = check.seconds if time_limit is None else min(check.seconds, time_limit)
         try:
             answer: dict[str, Any] = child[0].ask({"task": task.name, "path": str(path), "check": index},
