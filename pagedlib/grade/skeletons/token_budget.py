@@ -34,6 +34,6 @@ def plan_step(running: list[tuple[int, int]], waiting: list[tuple[int, int]], to
     whether or not they got tokens this step).
 
     Returns ``(req_id, num_tokens)`` for every request that computes tokens this step, ``num_tokens >= 1``,
-    in that order: running ones, then admitted ones. Leave the arguments unchanged.
+    in that order: running ones, then admitted ones.
     """
     raise NotImplementedError

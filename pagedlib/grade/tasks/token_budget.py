@@ -70,7 +70,7 @@ def states(draw, most: int = 5) -> dict:
 
 
 def same_plan(impl) -> None:
-    @cases(200)
+    @cases(150)
     @given(case=states())
     def prop(case):
         got = plan_of(impl, case)
@@ -92,7 +92,7 @@ def cap_when_shared(impl) -> None:
 
 
 def within_limits(impl) -> None:
-    @cases(200)
+    @cases(150)
     @given(case=states())
     def prop(case):
         plan = plan_of(impl, case)
@@ -163,7 +163,7 @@ workloads = st.fixed_dictionaries(dict(
 
 
 def no_starving(impl) -> None:
-    @cases(100)
+    @cases(80)
     @given(case=workloads)
     def prop(case):
         def every_running_request_moves(step, state, plan):
