@@ -99,14 +99,15 @@ def within_limits(impl) -> None:
         left = dict(case["running"] + case["waiting"])
         ids = [req_id for req_id, _ in plan]
         if len(set(ids)) != len(ids) or not set(ids) <= set(left):
-            raise Failed("each request in the plan once, and only the requests given", got=plan, case=case)
+            raise Failed("each request in the plan once, and only the requests given",
+                         expected=f"ids among {sorted(left)}, each once", got=plan, case=case)
         if sum(n for _, n in plan) > case["token_budget"]:
             raise Failed("the step's tokens within the budget", expected=f"at most {case['token_budget']}",
                          got=plan, case=case)
         for req_id, n in plan:
             if not 1 <= n <= left[req_id]:
                 raise Failed(f"request {req_id} given 1 to {left[req_id]} tokens (what it has left)",
-                             got=plan, case=case)
+                             expected=f"1 to {left[req_id]}", got=n, case=case)
         seats = len(case["running"]) + sum(req_id not in dict(case["running"]) for req_id in ids)
         if seats > case["max_seqs"]:
             raise Failed("running and admitted requests within max_seqs",
@@ -137,8 +138,9 @@ def serve(impl, case: dict, on_step) -> dict[int, list[int]]:
         on_step(step, state, plan)
         for i, n in plan:
             if i not in running + waiting or not 1 <= n <= left[i]:
-                raise Failed(f"step {step}: request {i} given {n} tokens: it is not running or waiting, "
-                             f"or has fewer left", got=plan, case={**state, "step": step})
+                raise Failed(f"step {step}: each request in the plan running or waiting, given 1 to its "
+                             f"tokens left", expected=f"ids among {running + waiting}", got=plan,
+                             case={**state, "step": step})
             if i in waiting:
                 waiting.remove(i)
                 running.append(i)
@@ -172,7 +174,7 @@ def no_starving(impl) -> None:
                 if scheduled.get(req_id, 0) < 1:
                     raise Failed(f"step {step}: running request {req_id} ({left} token(s) left) gets a "
                                  f"token", expected=f"({req_id}, n), n >= 1, in the plan", got=plan,
-                                 case={**case, "step": step})
+                                 case={**state, "step": step})
         serve(impl, case, every_running_request_moves)
     prop()
 
