@@ -124,8 +124,7 @@ def serve(impl, case: dict, on_step) -> dict[int, list[int]]:
     left = {i: prompt for i, (_, prompt, _) in enumerate(requests)}
     to_make = {i: new for i, (_, _, new) in enumerate(requests)}
     chunks: dict[int, list[int]] = {i: [] for i in left}
-    running: list[int] = []
-    waiting: list[int] = []
+    running, waiting = [], []  # ids, in admission order and in arrival order
     for step in range(max(a for a, _, _ in requests) + sum(p + n for _, p, n in requests) + 1):
         waiting += [i for i, (arrival, _, _) in enumerate(requests) if arrival == step]
         state = dict(running=[(i, left[i]) for i in running], waiting=[(i, left[i]) for i in waiting],
@@ -133,8 +132,7 @@ def serve(impl, case: dict, on_step) -> dict[int, list[int]]:
         plan = plan_of(impl, state)
         if not plan and (running or waiting):  # pagedlib's rule always has a token to give then
             raise Failed(f"step {step}: requests wait, and the plan gives nobody a token",
-                         expected="a token for someone", got=plan,
-                         case={**state, "step": step})
+                         expected="a token for someone", got=plan, case={**state, "step": step})
         on_step(step, state, plan)
         for i, n in plan:
             if i not in running + waiting or not 1 <= n <= left[i]:
