@@ -197,7 +197,7 @@ def keys_of(impl, token_ids: list[int], block_size: int) -> list:
 
 
 def keys_equal(impl) -> None:
-    @cases(200)
+    @cases(150)
     @given(token_ids=TOKEN_IDS, block_size=st.integers(1, 8))
     def prop(token_ids, block_size):
         got = keys_of(impl, token_ids, block_size)
@@ -208,7 +208,7 @@ def keys_equal(impl) -> None:
 
 
 def keys_chained(impl) -> None:
-    @cases(200)
+    @cases(150)
     @given(block_size=st.integers(1, 5), full=st.integers(2, 6), tail=st.integers(0, 4),
            pool=st.lists(st.integers(0, 50), min_size=34, max_size=34), at=st.integers(0, 99))
     def prop(block_size, full, tail, pool, at):
@@ -230,7 +230,7 @@ def keys_chained(impl) -> None:
 
 
 def no_partial_key(impl) -> None:
-    @cases(200)
+    @cases(150)
     @given(token_ids=TOKEN_IDS, block_size=st.integers(1, 8), extra=st.lists(st.integers(0, 9), max_size=7))
     def prop(token_ids, block_size, extra):
         whole = token_ids[:len(token_ids) // block_size * block_size]
