@@ -18,19 +18,16 @@ class SharedBlocks:
         new = -(-(length + n) // self.block_size) - len(table)
         if copy + new > len(self.free):
             raise MemoryError(f"{copy + new} blocks needed, {len(self.free)} free")
+        taken = [self.free.pop() for _ in range(copy + new)]   # the copy's block first
+        for block in taken:
+            self.ref_counts[block] = 1
         pair = None
         if copy:
-            pair = (table[-1], self.take())
-            self.ref_counts[table[-1]] -= 1
-            table[-1] = pair[1]
-        table += [self.take() for _ in range(new)]
+            pair = (table.pop(), taken[0])
+            self.ref_counts[pair[0]] -= 1
+        table += taken
         self.seq_lens[seq_id] = length + n
         return pair
-
-    def take(self):
-        block = self.free.pop()
-        self.ref_counts[block] = 1
-        return block
 
     def fork(self, parent_id, child_id):
         self.tables[child_id] = list(self.tables[parent_id])

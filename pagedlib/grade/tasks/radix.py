@@ -1,5 +1,5 @@
 """Task ``radix`` (notebook 11): a radix tree over token ids, one token per page (block size 1, SGLang's
-default): ``match`` and ``insert``, whose split of an edge is the step readers get wrong.
+default): ``match``, and ``insert`` with the split of an edge where a new sequence parts from it.
 
 A tree is compared as ``drawn`` draws it: ``{edge: {child's edge: {...}}}`` from the root's children down
 (a child's place among its siblings does not matter). The oracles: a brute-force longest common prefix
@@ -64,6 +64,7 @@ def pagedlib_tree(sequences: list[list[int]]) -> dict:
 
 def drawn_cache(node) -> dict:
     return {tuple(child.tokens): drawn_cache(child) for child in node.children.values()}
+
 
 def common(a: list[int], b: list[int]) -> int:
     n = 0
@@ -154,7 +155,7 @@ TASK = Task("radix", "11", "radix.py", "A radix tree over token ids: match, and 
           "notebook 11, section 2 (The lookup code, side by side): match_prefix"),
     Check("inserting [1, 2, 9] after [1, 2, 3, 4] splits the edge [1, 2, 3, 4] into [1, 2] and [3, 4]",
           split_keeps_tail,
-          "notebook 11, section 2 (The lookup code, side by side): insert and _split"),
+          "notebook 11, section 2 (The lookup code, side by side): insert, which splits a node"),
     Check("the tree stays compressed, the very tree pagedlib's RadixCache builds (block size 1)",
           compressed_as_pagedlib,
           "notebook 11, section 2 (The lookup code, side by side): insert grows a leaf or adds a child"),

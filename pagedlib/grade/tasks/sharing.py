@@ -85,7 +85,6 @@ class Run:
             expect_equal(f"{name} after the last call", getattr(self.ref, name), mine[name], self.case)
 
 
-
 CALLS = st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free"]), st.integers(0, 9),
                            st.integers(1, 9)), max_size=16)
 
@@ -246,8 +245,7 @@ def no_partial_key(impl) -> None:
 TASK = Task("sharing", "06", "sharing.py",
             "Fork, copy-on-write and free by reference counts; block keys chained through the parent", (
     Check("fork, append and free take pagedlib's blocks and counts, and every invariant holds after each "
-          "call",
-          same_as_pagedlib,
+          "call", same_as_pagedlib,
           "notebook 06, section 1 (Reference counts)"),
     Check("a block shared by two sequences is copied before one of them writes to it", copy_before_write,
           "notebook 06, section 2 (Copy-on-write)"),
