@@ -19,7 +19,7 @@ Read it in the order the engine runs:
   ``child`` (every Python child process: the vLLM worker, the decode engine of 14, the PTX compiler)
 - ``sim``      the serving simulation (07, 09-11), with notebook 07's slab policies and sliding windows
 - ``teach``    what only the notebooks need; ``bench`` the benchmark commands (``python -m pagedlib.bench``)
-- ``grade``    the build-it-yourself track: the tasks, their checks and the grader (``python -m pagedlib.grade``)
+- ``grade``    the build-it-yourself track: its tasks, checks and grader (``python -m pagedlib.grade``)
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class SharedBlocks:
         copy = length % self.block_size > 0 and self.ref_counts[table[-1]] > 1
         new = -(-(length + n) // self.block_size) - len(table)
         if copy + new > len(self.free):
-            raise MemoryError(f"{copy + new} blocks needed, {len(self.free)} free")
+            raise RuntimeError(f"{copy + new} blocks needed, {len(self.free)} free")
         taken = [self.free.pop() for _ in range(copy + new)]   # the copy's block first
         for block in taken:
             self.ref_counts[block] = 1

@@ -1,7 +1,7 @@
 """pagedlib's answer to task ``sharing``: ``core.blocks.BlockManager`` (share, fork, copy_on_write,
 release) and ``core.prefix_cache.chained_keys`` behind the task's signatures."""
 
-from pagedlib.core.blocks import BlockManager, OutOfBlocksError
+from pagedlib.core.blocks import BlockManager
 from pagedlib.core.prefix_cache import chained_keys
 
 
@@ -18,10 +18,7 @@ class SharedBlocks:
         self.manager.add_sequence(seq_id)
 
     def append(self, seq_id, n):
-        try:
-            record = self.manager.reserve([seq_id], [n])
-        except OutOfBlocksError as error:
-            raise MemoryError(str(error)) from None
+        record = self.manager.reserve([seq_id], [n])      # out of blocks: OutOfBlocksError, a RuntimeError
         return record.copies[0] if record.copies else None
 
     def fork(self, parent_id, child_id):

@@ -18,7 +18,7 @@ Checked, over generated sequences of calls (hypothesis) against pagedlib's ``Blo
 result and the four attributes after it, with pagedlib's invariants (``pagedlib.testing``) after each
 call; that a sequence writes only into blocks it holds alone (a shared, partly filled last block is copied
 first); that a block returns to ``free`` only when no table holds it; that an append the pool cannot hold
-raises ``MemoryError`` and changes nothing. For the keys: equal to pagedlib's digests; a change in any
+raises ``RuntimeError`` and changes nothing. For the keys: equal to pagedlib's digests; a change in any
 token changes the key of its block and of every later block, and no earlier one; no key for a partly filled
 last block.
 """
@@ -49,7 +49,7 @@ class SharedBlocks:
 
         A block is taken off the top of ``free`` (``free.pop()``) and starts at a count of 1; the copy's
         block is taken first. If ``free`` holds fewer blocks than the call needs (the copy's included),
-        raise ``MemoryError`` and change nothing. Returns the copy to make, ``(old block, new block)``, or
+        raise ``RuntimeError`` and change nothing. Returns the copy to make, ``(old block, new block)``, or
         ``None`` when nothing is copied."""
         raise NotImplementedError
 

@@ -18,8 +18,8 @@ from pagedlib.core.prefix_cache import chained_keys
 from pagedlib.grade.framework import Check, Failed, Task, cases, expect_equal
 from pagedlib.testing import InvariantError, check_invariants
 
-REFUSED = "MemoryError"  # what an append the pool cannot hold gives, in a report
-APPENDED = "append's result: the copy made (old block, new block), None, or MemoryError"
+REFUSED = "RuntimeError"  # what an append the pool cannot hold gives, in a report
+APPENDED = "append's result: the copy made (old block, new block), None, or RuntimeError"
 FREED = "free_sequence's result: the blocks nobody holds any more, in table order"
 FIELDS = ("tables", "seq_lens", "ref_counts", "free")
 
@@ -53,7 +53,7 @@ class Run:
             expected = REFUSED
         try:
             got = self.mine.append(seq_id, n)
-        except MemoryError:
+        except RuntimeError:
             got = REFUSED
         if isinstance(got, list):
             got = tuple(got)
@@ -180,7 +180,7 @@ def refused_changes_nothing(impl) -> None:
         run.agree(APPENDED, expected, got)
         if expected == REFUSED and run.state() != before:
             changed = [name for name in FIELDS if run.state()[name] != before[name]]
-            raise Failed(f"the append that raised MemoryError changed {', '.join(changed)}",
+            raise Failed(f"the append that raised RuntimeError changed {', '.join(changed)}",
                          expected={name: before[name] for name in changed},
                          got={name: run.state()[name] for name in changed}, case=run.case)
         run.compare()
@@ -251,7 +251,7 @@ TASK = Task("sharing", "06", "sharing.py",
           "notebook 06, section 2 (Copy-on-write)"),
     Check("a block returns to the pool only when no sequence holds it", freed_only_when_unheld,
           "notebook 06, section 1 (Reference counts): release"),
-    Check("an append the pool cannot hold raises MemoryError and changes nothing (the copy's block counts)",
+    Check("an append the pool cannot hold raises RuntimeError and changes nothing (the copy's block counts)",
           refused_changes_nothing,
           "notebook 06, section 2 (Copy-on-write): copy_on_write is asked before any block is taken"),
     Check("each key is pagedlib's: SHA-256 of the parent key's digest and the tokens as little-endian int64",

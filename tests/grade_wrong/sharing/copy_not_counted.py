@@ -1,4 +1,4 @@
-"""Catches: an append the pool cannot hold raises MemoryError and changes nothing (the copy's block counts)
+"""Catches: an append the pool cannot hold raises RuntimeError and changes nothing (the copy's block counts)
 
 Counts only the new blocks when it checks the pool, so an append whose copy does not fit takes blocks
 and then fails."""
@@ -22,7 +22,7 @@ class SharedBlocks:
         copy = length % self.block_size > 0 and self.ref_counts[table[-1]] > 1
         new = -(-(length + n) // self.block_size) - len(table)
         if new > len(self.free):
-            raise MemoryError(f"{new} blocks needed, {len(self.free)} free")
+            raise RuntimeError(f"{new} blocks needed, {len(self.free)} free")
         pair = None
         if copy:
             pair = (table[-1], self.take())

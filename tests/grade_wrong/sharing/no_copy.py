@@ -21,7 +21,7 @@ class SharedBlocks:
         copy = False
         new = -(-(length + n) // self.block_size) - len(table)
         if copy + new > len(self.free):
-            raise MemoryError(f"{copy + new} blocks needed, {len(self.free)} free")
+            raise RuntimeError(f"{copy + new} blocks needed, {len(self.free)} free")
         pair = None
         if copy:
             pair = (table[-1], self.take())

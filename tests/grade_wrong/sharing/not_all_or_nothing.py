@@ -1,6 +1,6 @@
-"""Catches: an append the pool cannot hold raises MemoryError and changes nothing (the copy's block counts)
+"""Catches: an append the pool cannot hold raises RuntimeError and changes nothing (the copy's block counts)
 
-Takes blocks one at a time and raises MemoryError when the stack runs out, keeping those it took."""
+Takes blocks one at a time and raises RuntimeError when the stack runs out, keeping those it took."""
 
 import hashlib
 import struct
@@ -31,7 +31,7 @@ class SharedBlocks:
 
     def take(self):
         if not self.free:
-            raise MemoryError("out of blocks")
+            raise RuntimeError("out of blocks")
         block = self.free.pop()
         self.ref_counts[block] = 1
         return block

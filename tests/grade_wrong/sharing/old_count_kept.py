@@ -21,7 +21,7 @@ class SharedBlocks:
         copy = length % self.block_size > 0 and self.ref_counts[table[-1]] > 1
         new = -(-(length + n) // self.block_size) - len(table)
         if copy + new > len(self.free):
-            raise MemoryError(f"{copy + new} blocks needed, {len(self.free)} free")
+            raise RuntimeError(f"{copy + new} blocks needed, {len(self.free)} free")
         pair = None
         if copy:
             pair = (table[-1], self.take())
