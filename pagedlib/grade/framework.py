@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 OUT_OF_MEMORY = "ran out of memory: the grader lets your code's process map {} MiB".format(
     os.environ.get("PAGEDLIB_GRADE_MEMORY_MB", "4096"))
@@ -62,9 +62,18 @@ def cases(n: int = 100) -> settings:
     is a fact about the code, not about a seed), no deadline (the reader's code may be slow), no example
     database (nothing is written beside the reader's files), and one failure reported: the first found,
     shrunk (two failures of different kinds, say a ``Failed`` and an error the reader's code raised, would
-    otherwise come back as an ``ExceptionGroup`` whose message shows neither)."""
-    return settings(max_examples=n, derandomize=True, database=None, deadline=None, print_blob=False,
-                    report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    otherwise come back as an ``ExceptionGroup`` whose message shows neither). While ``run_check`` probes a
+    check (``_probe``), one input and no shrinking."""
+    quick = {"max_examples": 1, "phases": [Phase.explicit, Phase.generate]} if _probe["on"] else {}
+    _probe["used"] = True
+    return settings(**{"max_examples": n, **quick}, derandomize=True, database=None, deadline=None,
+                    print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+
+
+# A skeleton raises NotImplementedError for every input, and hypothesis would spend seconds shrinking that
+# one failure; so a check runs first with one input per property (``on``), and again in full unless that
+# run was a skeleton's, or was already the whole check (``used``: no property asked for its settings).
+_probe = {"on": False, "used": False}
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,17 @@ def run_check(check: Check, module: ModuleType, path: str) -> dict[str, Any]:
     reader's code raised ``NotImplementedError``; ``"wrong"``: a check's finding; ``"error"``: their code
     raised; ``"memory"``: it ran out of the memory limit) with a ``message`` and, from hypothesis, the
     smallest ``case`` that fails."""
+    _probe.update(on=True, used=False)
+    try:
+        first = _attempt(check, module, path)
+    finally:
+        _probe["on"] = False
+    if first.get("kind") in ("todo", "memory") or not _probe["used"]:
+        return first
+    return _attempt(check, module, path)
+
+
+def _attempt(check: Check, module: ModuleType, path: str) -> dict[str, Any]:
     try:
         check.run(module)
     except NotImplementedError:
