@@ -386,7 +386,6 @@ ALLOWED_NUMBERS = {
     "09": {"160": f"{DEFINED}: the docs' arrival=40 + 40 * j, j = 3",
            "1.2": f"{DEFINED}: PAD_LIMIT in pagedlib/kernels/varlen.py"},
     "10": {"1.44": f"{COMPUTED}: bits in a nat, 1 / ln 2",
-           "480": f"{DEFINED}: e4m3's midpoint between 448 and 512, where the older header's NaN starts",
            "0.075": f"{COMPUTED}: 0.3 / 4 beside it", "768": f"{COMPUTED}: B x T = 8 x 96 in the code"},
     "11": {"300": f"{DEFINED}: an example's length", "500": f"{DEFINED}: unique_documents_like's "
            "doc_len // 2", "192": f"{COMPUTED}: 12 blocks x 16", "208": f"{SOLUTION}: 13 blocks x 16"},
