@@ -273,6 +273,8 @@ def test_the_build_it_yourself_page_shows_every_task_and_links_its_chapter(site)
     from pagedlib.grade import TASKS
 
     page = html.unescape((site / "tasks.html").read_text(encoding="utf-8"))
+    for curly, plain in (("\u2019", "'"), ("\u2026", "..."), ("\u201c", '"'), ("\u201d", '"')):
+        page = page.replace(curly, plain)                     # Sphinx's smart quotes and ellipses
     refs = {ref.split("#")[0] for ref in _parse(site / "tasks.html").refs}
     for task in TASKS.values():
         assert f"notebooks/tasks/{task.file}" in page and task.checks[0].name in page, task.name
