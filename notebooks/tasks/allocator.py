@@ -22,6 +22,8 @@ the failing one):
   every call, and the same return values;
 - notebook 02's four invariants after every call: one owner, free means free, valid ids, right size;
 - freeing returns every block, and after freeing every sequence every block is free;
+- the lists ``append`` and ``free_sequence`` return are the caller's: adding to one changes nothing in the
+  allocator;
 - an append that does not fit raises ``RuntimeError`` (pagedlib raises its ``OutOfBlocksError``, a
   ``RuntimeError``) and changes nothing: not the stack's order, not a table, not a length. Count the
   blocks needed first, then take them;
@@ -59,11 +61,13 @@ class BlockAllocator:
     def append(self, seq_id: Hashable, num_tokens: int = 1) -> list[int]:
         """``num_tokens`` (at least 1) more tokens for sequence ``seq_id``. Take the blocks its new length
         needs, one ``pop()`` each, adding each to the end of its table in the order taken, and return them
-        (an empty list when its last block has room). All or nothing: raise ``KeyError`` if ``seq_id`` is
-        not live, ``RuntimeError`` if fewer blocks are free than it needs, before changing anything."""
+        in a new list, not one the allocator keeps (an empty list when its last block has room). All or
+        nothing: raise ``KeyError`` if ``seq_id`` is not live, ``RuntimeError`` if fewer blocks are free than
+        it needs, before changing anything."""
         raise NotImplementedError
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
         """Forget sequence ``seq_id``: its blocks go back on the stack, its last block on top. Returns the
-        blocks it held, in table order. Raises ``KeyError`` if ``seq_id`` is not live, changing nothing."""
+        blocks it held, in table order (a list the allocator no longer keeps). Raises ``KeyError`` if
+        ``seq_id`` is not live, changing nothing."""
         raise NotImplementedError

@@ -20,10 +20,12 @@ product both work in the interpreter (compiled for a GPU, ``tl.dot`` needs its r
 Checked in Triton's interpreter (pagedlib selects it on a machine without CUDA; the grader always uses it),
 case by case, smallest first, against pagedlib's float64 oracle (float32's tolerance, atol 1e-5 and rtol
 1.3e-6; 1e-3 where the scores reach 300, whose float32 logits are themselves off by ~1e-5): block sizes 1
-to 16, GQA groups 1 to 8 (3 included) and MQA, head_dim 8 to 24, a strided cache; that query head h reads
-KV head h // group (query head 13 of 16 reads KV head 3 of 4), keys and values; lengths that are not a
-multiple of the block size or of the tile; NaN or 1e4 past each length and unused table entries naming
-blocks full of garbage; scores that rise tile after tile (a missing rescale) and up to 300 (no overflow);
+to 16, GQA groups 1 to 8 (3 included) and MQA, head_dim 8 to 24, a strided K with V laid out apart (its
+own strides); that query head h reads KV head h // group (query head 13 of 16 reads KV head 3 of 4), keys
+and values; lengths that are not a multiple of the block size or of the tile; NaN or 1e4 past each length
+and unused table entries naming blocks full of garbage; scores that rise tile after tile (a missing
+rescale) and up to 300 (no overflow); scores that fall from 300 to 0 (a max that follows each tile down
+overflows) and scores all between -400 and -300 (a max that starts at 0, not -inf, underflows to 0 / 0);
 and that every load and store stays inside its tensor: the grader watches each address whose mask is
 true, and one outside the tensors the kernel was given fails, saying whether a load or a store, which
 tensor and by how many elements, before it is read or written.

@@ -158,11 +158,15 @@ def check_heads(out: torch.Tensor, kv_heads: int, group: int, read: str) -> None
                      expected=rounded(torch.full_like(row, want)), got=rounded(row), case=case)
 
 
-def rising_scores(case: Case, top: float) -> tuple[torch.Tensor, ...]:
-    """``build(case)`` with scores that rise with the position in every query head, linearly from near 0 to
-    at most ``top`` (in nats, the scale included) at each sequence's last token: every tile of keys raises
-    the running max, so a kernel that forgets to rescale its running sum and accumulator is wrong, and with
-    ``top`` in the hundreds one that never subtracts the max overflows float32."""
+def rising_scores(case: Case, top: float, start: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """``build(case)`` with scores that change linearly with the position in every query head, from near
+    ``start`` at each sequence's first token to ``top`` (in nats, the scale included) at its last for the
+    query head of the group whose entries sum highest (the other heads' ramps shrink by their sums' share).
+    Rising from 0: every tile of keys raises the running max, so a kernel that forgets to rescale its
+    running sum and accumulator is wrong, and with ``top`` in the hundreds one that never subtracts the max
+    overflows float32. Falling from the hundreds (``start`` 300, ``top`` 0): a max that follows each tile
+    down instead of keeping the largest overflows. All far below 0: a max that starts at 0 instead of -inf
+    underflows every exp to 0."""
     q, k_cache, v_cache, tables, seq_lens = build(case)
     q = q.abs() + 0.5                                   # [batch, q_heads, D], every entry > 0
     scale = case.head_dim**-0.5 if case.scale is None else case.scale
@@ -170,7 +174,7 @@ def rising_scores(case: Case, top: float) -> tuple[torch.Tensor, ...]:
     for b, n in enumerate(case.seq_lens):
         pos = torch.arange(n)
         blocks, slots = tables[b, pos // case.block_size].long(), pos % case.block_size
-        step = top / (scale * sums[b]) / n                                         # [kv_heads]
-        k_cache[blocks, slots] = ((pos + 1)[:, None, None] * step[None, :, None]).expand(
+        score = start + (pos + 1) / n * (top - start)                               # [n], in nats
+        k_cache[blocks, slots] = (score[:, None, None] / (scale * sums[b])[None, :, None]).expand(
             n, case.kv_heads, case.head_dim).to(k_cache.dtype)
     return q, k_cache, v_cache, tables, seq_lens

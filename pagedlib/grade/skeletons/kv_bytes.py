@@ -5,7 +5,7 @@ Write the two functions below, then grade them:  python -m pagedlib.grade kv_byt
 
 Checked: the bytes of one token for any model shape (integers up to 256 per field, GQA included), the six
 models of notebook 01's table, and the bytes a paged cache holds for any list of sequence lengths (up to
-2**62 tokens: integers only, a float would round).
+2**62 tokens: integers only, a float would round). Both return an int: a float equal to it fails.
 """
 
 

@@ -256,6 +256,24 @@ def every_block_back(impl: Any) -> None:
     prop()
 
 
+def new_lists(impl: Any) -> None:
+    started(impl)
+    @programs(100)
+    @given(program=PROGRAMS, **POOLS)
+    def prop(num_blocks, block_size, program):
+        for step in replay(impl, num_blocks, block_size, program, free_all=True):
+            if isinstance(step.got, list):
+                now = state(step.mine)
+                step.got.append(num_blocks)                 # a caller adds to the list it was given
+                after = state(step.mine)
+                step.got.pop()
+                if after != now:
+                    raise Failed(f"the list {written(step.call)} returned is one your allocator keeps: "
+                                 "adding to it changed your free stack, tables or lengths",
+                                 expected=now, got=after, case=step.case)
+    prop()
+
+
 def unchanged(step: Step, error: type) -> None:
     """``step``'s call raised ``error`` and left the reader's state exactly as it was."""
     call = written(step.call)
@@ -295,6 +313,8 @@ CHECKS = (
     Check("a freed sequence's blocks go back on the stack, its last on top: the same block ids as pagedlib",
           same_ids,
           "notebook 02, section 1 (Fixed blocks and a stack): release pushes the last block back last"),
+    Check("append and free_sequence return new lists: changing one changes nothing in the allocator",
+          new_lists, "notebook 02, section 2 (Build a cache)"),
     Check("no block belongs to two sequences, or twice to one", holds(1),
           "notebook 02, section 4 (Four invariants): 1, one owner"),
     Check("a freed sequence returns every block: each block is free or held, never both, none lost",

@@ -14,13 +14,17 @@ from pagedlib.grade.paged_inputs import Case, build, check_heads, compare, head_
 
 ORACLE = [Case((1,), 1, 1, 1, 16, seed=1), Case((5,), 4, 1, 2, 16, seed=2), Case((3, 17), 4, 2, 1, 8, seed=3),
           Case((20, 9), 8, 1, 8, 24, seed=4),                                  # MQA; head_dim 24 pads to 32
-          Case((33, 1), 16, 2, 3, 16, scale=0.3, layers=2, seed=5)]            # group 3; a strided view
+          Case((33, 1), 16, 2, 3, 16, scale=0.3, layers=2, seed=5)]            # group 3; a strided K, V apart
 RAGGED = [Case((5,), 4, 1, 1, 16, seed=7), Case((17,), 16, 1, 2, 16, seed=8),
           Case((2, 35), 8, 2, 1, 16, seed=9)]
 GARBAGE = [Case((3,), 4, 1, 2, 16, garbage="nan", seed=10),
            Case((6, 19), 4, 2, 2, 16, garbage="nan", table_garbage=True, seed=11),
            Case((13,), 8, 1, 4, 16, garbage="1e4", table_garbage=True, seed=12)]
 RISING = [Case((40,), 16, 1, 1, 16, seed=13), Case((300,), 16, 1, 2, 16, seed=14)]   # 300: 3 tiles of 128
+# (case, first score, last score): falling from 300 (a max that follows each tile down overflows), and all
+# scores far below 0 (a max that starts at 0 underflows every exp to 0: 0 / 0)
+RAMPS = [(Case((300,), 16, 1, 2, 16, seed=14), 300.0, 0.0),
+         (Case((40,), 16, 1, 1, 16, seed=13), -400.0, -300.0)]
 EDGES = [Case((1,), 1, 1, 1, 8, exact_width=True, last_block_at_end=True, seed=15),
          Case((3, 8), 4, 2, 3, 24, exact_width=True, last_block_at_end=True, seed=16)]
 # float32 logits of a few hundred are themselves off by ~1e-5 (an ulp of 300 is 3e-5): pagedlib's kernel
@@ -64,6 +68,20 @@ def rising(top: float, what: str, tol: dict | None = None):
     return each(RISING, what, lambda case: rising_scores(case, top), tol)
 
 
+def ramps(impl) -> None:
+    for case, first, last in RAMPS:
+        args = rising_scores(case, last, first)
+        compare(f"with scores from {first:g} to {last:g}, the output", lambda case=case, args=args: launch(
+            impl, case, args), args, case, LOOSE)
+
+
+def v_apart(case: Case) -> tuple[torch.Tensor, ...]:
+    """``build(case)``, with V laid out apart from K when the case's cache is a strided view: K keeps the
+    view, V is a contiguous copy, so V's strides differ from K's."""
+    q, k_cache, v_cache, tables, seq_lens = build(case)
+    return q, k_cache, v_cache.contiguous() if case.layers > 1 else v_cache, tables, seq_lens
+
+
 def heads(impl) -> None:
     for kv_heads, group in [(2, 2), (4, 4)]:
         for read in ("values", "keys"):
@@ -81,7 +99,7 @@ HINT = "notebook 05, section 3 (The kernel, block by block)"
 TASK = Task("decode_kernel", "05", "decode_kernel.py",
             "the Triton decode kernel: an online softmax over the block table's tiles", (
     Check("equals the float64 oracle on a few cases, smallest first (GQA groups 1-8, MQA, a strided cache)",
-          each(ORACLE, "the output"),
+          each(ORACLE, "the output", v_apart),
           "notebook 05, section 4 (Run it: the interpreter against notebook 04's path)", SECONDS),
     Check("query head h reads KV head h // group (query head 13 of 16 reads KV head 3 of 4)", heads,
           HINT + ": 3.2, the GQA group", SECONDS),
@@ -96,5 +114,7 @@ TASK = Task("decode_kernel", "05", "decode_kernel.py",
     Check("scores in the hundreds do not overflow (the running max is subtracted before exp)",
           rising(300.0, "with scores up to 300, the output", LOOSE),
           "notebook 05, section 2 (Online softmax: attention one tile at a time)", SECONDS),
+    Check("the running max starts at -inf and only rises: scores falling from 300, or all far below 0",
+          ramps, "notebook 05, section 2 (Online softmax: attention one tile at a time)", SECONDS),
     Check("every load and store stays inside its tensor", in_bounds, HINT + ": 3.4, masking", SECONDS),
 ))

@@ -5,10 +5,18 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedlib.grade.framework import Check, Task, cases, expect_equal
+from pagedlib.grade.framework import Check, Failed, Task, cases, expect_equal
 from pagedlib.teach.sizing import PRESETS, ModelSpec, blocks_needed, kv_bytes_per_token
 
 sizes = st.integers(1, 256)
+
+
+def exactly(what: str, expected: int, got, case: dict) -> None:
+    """``got`` is the int ``expected``: a float equal to it fails too (a count of bytes is an int, and a
+    float past 2**53 rounds)."""
+    if isinstance(got, float):
+        raise Failed(f"{what}: an int, not a float", expected=expected, got=got, case=case)
+    expect_equal(what, expected, got, case)
 
 
 def per_token(impl) -> None:
@@ -20,7 +28,7 @@ def per_token(impl) -> None:
         case = dict(num_layers=layers, num_q_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
                     dtype_bytes=dtype_bytes)
         expected = kv_bytes_per_token(spec, dtype_bytes)
-        expect_equal("bytes per token", expected, impl.kv_bytes_per_token(**case), case)
+        exactly("bytes per token", expected, impl.kv_bytes_per_token(**case), case)
     prop()
 
 
@@ -28,8 +36,8 @@ def presets(impl) -> None:
     for spec in PRESETS.values():
         case = dict(num_layers=spec.num_layers, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
                     head_dim=spec.head_dim, dtype_bytes=2)
-        expect_equal(f"{spec.name} in bf16, bytes per token", kv_bytes_per_token(spec, 2),
-                     impl.kv_bytes_per_token(**case), case)
+        exactly(f"{spec.name} in bf16, bytes per token", kv_bytes_per_token(spec, 2),
+                impl.kv_bytes_per_token(**case), case)
 
 
 def whole_blocks(impl) -> None:
@@ -39,7 +47,7 @@ def whole_blocks(impl) -> None:
     def prop(lens, block_size, per_token):
         expected = sum(blocks_needed(n, block_size) for n in lens) * block_size * per_token
         case = dict(seq_lens=lens, block_size=block_size, bytes_per_token=per_token)
-        expect_equal("bytes a paged cache holds", expected, impl.paged_kv_bytes(**case), case)
+        exactly("bytes a paged cache holds", expected, impl.paged_kv_bytes(**case), case)
     prop()
 
 
