@@ -41,7 +41,8 @@ class RadixTree:
         """Make ``tokens`` (and so every prefix of it) a path from the root. Walk down while the tokens follow
         the edges; where they part from an edge in its middle, split it (a new node holds the edge's first
         part, the old node keeps the rest and its children below it); what is left of ``tokens`` then
-        either grows a leaf (a node with no child, not the root) or becomes a new child."""
+        either grows a leaf (a node with no child, not the root) or becomes a new child. ``tokens`` stays the
+        caller's: leave the list as it was, and keep copies of its tokens (the caller may change it later)."""
         raise NotImplementedError
 
     def match(self, tokens: list[int]) -> int:

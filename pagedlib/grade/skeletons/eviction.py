@@ -4,16 +4,18 @@ Write the class below, then grade it:  python -m pagedlib.grade eviction
 (or, in a notebook: ``from pagedlib.grade import grade; grade("eviction")``).
 
 A policy knows keys only (the tier, ``HostCache``, owns the slots and counts them: the policy has no
-capacity of its own). Think of a line: the least recently used key at the front (evicted first), the most
-recent at the back. ``HostCache`` calls ``insert`` when it stores a block, ``remove`` when a store is
-cancelled, ``touch`` when a request reads blocks and again when the request finishes (every key it met, in
-order), and ``evict`` when it needs room, protecting the keys of the store itself and the keys being read.
+capacity of its own). A key is a block hash (an int here; any hashable will do): compare keys with ``==``
+(as ``in`` and a dict do), never with ``is``, since an equal hash may be another object. Think of a line:
+the least recently used key at the front (evicted first), the most recent at the back. ``HostCache`` calls
+``insert`` when it stores a block, ``remove`` when a store is cancelled, ``touch`` when a request reads
+blocks and again when the request finishes (every key it met, in order), and ``evict`` when it needs room,
+protecting the keys of the store itself and the keys being read.
 
-Checked, against pagedlib's ``LRU`` (``pagedlib/kv_transfer/policies.py``), with keys 0 to 7: every answer
-and ``keys()`` after each operation of generated sequences (hypothesis shows the shortest that fails); that
-a touched key goes to the back; that a protected key is never evicted; that an eviction that cannot free
-``n`` keys returns ``None`` and changes nothing; and ``HostCache`` replaying requests on your policy, finding,
-storing and evicting the blocks it does on pagedlib's.
+Checked, against pagedlib's ``LRU`` (``pagedlib/kv_transfer/policies.py``): every answer and ``keys()``
+after each operation of generated sequences over keys 1000 to 1007 (hypothesis shows the shortest that
+fails); then, with keys 0 to 7, that a touched key goes to the back, that a protected key is never evicted,
+that an eviction that cannot free ``n`` keys returns ``None`` and changes nothing, and ``HostCache``
+replaying requests on your policy, finding, storing and evicting the blocks it does on pagedlib's.
 """
 
 

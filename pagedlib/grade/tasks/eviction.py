@@ -15,14 +15,18 @@ from pagedlib.grade.framework import Check, Failed, Task, cases, expect_equal
 from pagedlib.kv_transfer.host_tier import HostCache
 from pagedlib.kv_transfer.policies import LRU
 
-KEYS = range(8)
 keys = st.integers(0, 7)
 distinct = st.lists(keys, unique=True, max_size=8)
 protect = st.sets(keys, max_size=8)
+# the tier's keys are block hashes: ints past 256, so an equal key is often another object (Python keeps one
+# object of each int from -5 to 256 only), and a policy that finds keys with ``is`` is caught; each one drawn
+# is made afresh
+HASHES = range(1000, 1008)
+hashes = st.integers(0, 7).map(lambda k: HASHES[k])
 operations = st.lists(st.one_of(
-    st.tuples(st.just("insert"), keys), st.tuples(st.just("remove"), keys),
-    st.tuples(st.just("touch"), distinct), st.tuples(st.just("evict"), st.integers(1, 4), protect)),
-    max_size=14)
+    st.tuples(st.just("insert"), hashes), st.tuples(st.just("remove"), hashes),
+    st.tuples(st.just("touch"), st.lists(hashes, unique=True, max_size=8)),
+    st.tuples(st.just("evict"), st.integers(1, 6), st.sets(hashes, max_size=8))), max_size=14)
 
 
 def apply(policy, op: tuple):
@@ -46,8 +50,8 @@ def written(op: tuple) -> str:
 def same_state(ours: LRU, theirs, case: dict) -> None:
     expect_equal("keys(), the next evicted first", ours.keys(), theirs.keys(), case)
     expect_equal("len()", len(ours), len(theirs), case)
-    expect_equal("which keys are held (key in policy, for keys 0 to 7)", [k in ours for k in KEYS],
-                  [k in theirs for k in KEYS], case)
+    expect_equal(f"which keys are held (key in policy, for keys {HASHES[0]} to {HASHES[-1]})",
+                 [k in ours for k in HASHES], [k in theirs for k in HASHES], case)
 
 
 def decisions(impl) -> None:
@@ -101,6 +105,8 @@ def never_protected(impl) -> None:
             raise Failed(f"{len(free)} unprotected keys are held: evict({n}) must return {n} of them",
                          expected=free[:n], got=evicted, case=case)
         expect_equal("protected keys in the answer", [], [k for k in evicted if k in protected], case)
+        expect_equal(f"evict({n})'s answer: the {n} least recent unprotected keys, least recent first",
+                     free[:n], list(evicted), case)
         expect_equal("the protected keys still held", [k for k in inserted if k in protected],
                      [k for k in policy.keys() if k in protected], case)
     prop()

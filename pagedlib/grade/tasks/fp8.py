@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pagedlib.calibration import kv_scale, rounding_bound
@@ -93,6 +93,42 @@ def quantize_bytes(impl) -> None:
         case = {"x": x, "scale": scale, "dtype": name(dtype)}
         got = impl.quantize(tensor(x), scale, dtype)
         same_bits("the values quantize stores", quantize(tensor(x), scale, dtype), got, case)
+    prop()
+    quantize_near_ties(impl)
+
+
+# the halfway points between neighbouring finite values of each format, where rounding decides
+MIDPOINTS = {d: [(a + b) / 2 for a, b in zip(v, v[1:])]
+             for d in FP8_DTYPES for v in [sorted({abs(c) for c in torch.tensor(CODES[d], dtype=torch.uint8)
+                                                   .view(d).float().tolist() if math.isfinite(c)})]}
+
+
+@st.composite
+def near_ties(draw) -> tuple[list[float], float, torch.dtype]:
+    """``x`` whose ``x / scale`` lie on or next to the format's halfway points: a float32 that is one step off
+    a halfway point must round away from it, not first to a coarser float (float16) that lands on it, and a
+    product with ``1 / scale`` rounds differently from the division there."""
+    dtype = draw(formats)
+    powers = st.integers(-20, 20).map(lambda e: 2.0**e)
+    scale = draw(st.one_of(powers, st.floats(2.0**-20, 2.0**20, width=32)))
+    halves = draw(st.lists(st.tuples(st.sampled_from(MIDPOINTS[dtype]), st.sampled_from([1.0, -1.0]),
+                                     st.sampled_from([0, 1, -1])), min_size=1, max_size=8))
+    x = [torch.nextafter(torch.tensor(sign * m * scale), torch.tensor(nudge * math.inf)).item() if nudge
+         else float32(sign * m * scale) for m, sign, nudge in halves]
+    return x, scale, dtype
+
+
+def quantize_near_ties(impl) -> None:
+    @cases(150)
+    @given(case=near_ties())
+    @example(case=([1.0625 + 2.0**-20], 1.0, E4M3))            # float16 first rounds it to 1.0625, then to 1
+    @example(case=([236.98562622070312], 1.0214897394180298, E4M3))   # x * (1 / scale) rounds to 232
+    def prop(case):
+        x, scale, dtype = case
+        readable = {"x": x, "scale": scale, "dtype": name(dtype)}
+        got = impl.quantize(tensor(x), scale, dtype)
+        same_bits("the values quantize stores, where x / scale is at or next to a halfway point of the "
+                  "format", quantize(tensor(x), scale, dtype), got, readable)
     prop()
 
 

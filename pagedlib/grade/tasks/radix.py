@@ -120,10 +120,13 @@ def compressed_as_pagedlib(impl) -> None:
     @cases(150)
     @given(sequences=SEQUENCES)
     def prop(sequences):
-        tree = impl.RadixTree()
+        tree, given = impl.RadixTree(), []
         for count, tokens in enumerate(sequences, start=1):
-            tree.insert(list(tokens))
+            given.append(list(tokens))
+            tree.insert(given[-1])
             case = dict(inserted=sequences[:count])
+            expect_equal("the lists given to insert, after it (insert leaves them as they were)",
+                         sequences[:count], given, case)
             found = problem(tree.root)
             if found:
                 raise Failed(f"the tree is not compressed: {found}", case=case,
@@ -131,6 +134,10 @@ def compressed_as_pagedlib(impl) -> None:
                              got=drawn(tree.root))
             expect_equal("the tree, against pagedlib's RadixCache on the same sequences",
                          pagedlib_tree(sequences[:count]), drawn(tree.root), case)
+        for tokens in given:            # the caller's lists are theirs: the tree holds copies of its tokens
+            tokens[:] = [9] * len(tokens)
+        expect_equal("the tree once the lists given to insert are changed (the tree keeps its own copies)",
+                     pagedlib_tree(sequences), drawn(tree.root), dict(inserted=sequences))
     prop()
 
 
