@@ -5,7 +5,7 @@ def kv_scale(x, dtype=torch.float8_e4m3fn):
     amax = x.abs().max().item()
     if amax == 0:
         return 1.0
-    return amax / torch.finfo(dtype).max
+    return max(amax / torch.finfo(dtype).max, torch.finfo(torch.float32).tiny)
 
 
 def quantize(x, scale, dtype=torch.float8_e4m3fn):

@@ -12,7 +12,7 @@ torch 2.13's cast saturates e4m3 by itself (earlier versions gave NaN from 480 u
 61440 up (half a step past 57344): clamp first, and rely on no version's cast.
 
 Checked, against pagedlib's ``kv_scale``, ``quantize`` and ``dequantize`` bit for bit, on float32 vectors of
-1 to 8 values (each 0 or of magnitude 2**-100 to 2**100, about 1e-30 to 1e30): the scale (compared as
+1 to 8 values (each 0 or of magnitude 2**-140 to 2**100, about 7e-43 to 1e30): the scale (compared as
 float32), an all-zero tensor, the bytes quantize stores (compared as uint8), values beyond the range
 saturating (infinities included), the float32 values dequantize reads (compared bit for bit), and a round
 trip within half a step of the format.
@@ -23,9 +23,10 @@ import torch
 
 def kv_scale(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> float:
     """The scale that maps ``x``'s largest magnitude onto ``dtype``'s largest finite value: ``max |x|``
-    divided by ``torch.finfo(dtype).max``, as a Python float (the grader compares it as float32). An all-zero
-    ``x`` gets 1.0 (there is nothing to scale; dividing by 0 would not do). ``x``: float32, any shape, not
-    empty, finite."""
+    divided by ``torch.finfo(dtype).max``, as a Python float (the grader compares it as float32), and never
+    below float32's smallest normal number, ``torch.finfo(torch.float32).tiny`` (a tiny ``x`` would give a
+    subnormal scale, or 0, and dividing by it would not do). An all-zero ``x`` gets 1.0 (there is nothing
+    to scale). ``x``: float32, any shape, not empty, finite."""
     raise NotImplementedError
 
 

@@ -1,0 +1,21 @@
+"""Catches: the scale maps the largest magnitude onto the format's largest finite value (448 for e4m3)
+
+Treats a tensor whose largest magnitude is below float32's smallest normal number as all zero (scale 1.0)."""
+
+import torch
+
+
+def kv_scale(x, dtype=torch.float8_e4m3fn):
+    amax = x.abs().max().item()
+    if amax < torch.finfo(torch.float32).tiny:
+        return 1.0
+    return max(amax / torch.finfo(dtype).max, torch.finfo(torch.float32).tiny)
+
+
+def quantize(x, scale, dtype=torch.float8_e4m3fn):
+    top = torch.finfo(dtype).max
+    return (x / scale).clamp(-top, top).to(dtype)
+
+
+def dequantize(q, scale):
+    return q.float() * scale
