@@ -26,7 +26,7 @@ import pytest
 
 from pagedlib.grade import TASKS, grade, progress
 from pagedlib.grade.__main__ import main
-from pagedlib.grade.runner import PACKAGE, READER, run_task
+from pagedlib.grade.runner import PACKAGE, READER, grading_child, run_task
 from pagedlib.grade.tasks import ORDER
 
 HERE = Path(__file__).resolve().parent
@@ -39,10 +39,8 @@ READER_LINES = 300          # "about 300 lines" (issue 53); a tenth more is stil
 @pytest.fixture(scope="module")
 def child():
     """One grading child for the module's tests (as ``progress`` uses one for every task)."""
-    holder = [None]
-    yield holder
-    if holder[0] is not None:
-        holder[0].close(grace=0)
+    with grading_child() as holder:
+        yield holder
 
 
 def wrong_files():

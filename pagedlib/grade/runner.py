@@ -8,6 +8,8 @@ on with a new child. Nothing here writes a file.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,18 @@ def run_task(task: Task, path: Path, child: list[Child | None],
     return results
 
 
+@contextmanager
+def grading_child() -> Iterator[list[Child | None]]:
+    """The holder ``run_task`` starts its child in (and replaces it in); the child is stopped on leaving,
+    an interrupt included."""
+    child: list[Child | None] = [None]
+    try:
+        yield child
+    finally:
+        if child[0] is not None:
+            child[0].close(grace=0)
+
+
 def grade(task: str, impl: str | os.PathLike | None = None, *, reference: bool = False,
           time_limit: float | None = None) -> Report:
     """Grade ``task``: the reader's file ``notebooks/tasks/<file>``, the file ``impl``, or with
@@ -144,12 +158,8 @@ def grade(task: str, impl: str | os.PathLike | None = None, *, reference: bool =
     these seconds per check (each check has its own limit)."""
     chosen = task_of(task)
     path = file_of(chosen, impl, reference)
-    child: list[Child | None] = [None]
-    try:
+    with grading_child() as child:
         return Report(chosen, label(path), run_task(chosen, path, child, time_limit))
-    finally:
-        if child[0] is not None:
-            child[0].close(grace=0)
 
 
 @dataclass
@@ -175,9 +185,8 @@ class Progress:
 
 def progress(*, reference: bool = False) -> Progress:
     """Every task graded on the reader's files (or pagedlib's, ``reference=True``), one child for all."""
-    child: list[Child | None] = [None]
     rows = []
-    try:
+    with grading_child() as child:
         for task in TASKS.values():
             try:
                 path = file_of(task, reference=reference)
@@ -186,7 +195,4 @@ def progress(*, reference: bool = False) -> Progress:
                 continue
             report = Report(task, label(path), run_task(task, path, child))
             rows.append((task, report.file, report.status))
-    finally:
-        if child[0] is not None:
-            child[0].close(grace=0)
     return Progress(rows)
