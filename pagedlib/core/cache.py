@@ -41,6 +41,10 @@ class Batch:
     block_tables: list[list[int]]     # each sequence's table after the step
     seq_lens: list[int]               # tokens each sequence holds after the step
     copies: list[tuple[int, int]]     # (source, destination) blocks to copy before any K/V is written
+    # a cache of several KV-cache groups (notebook 15, ``core/groups.py``): per group g, each sequence's new
+    # slots and table (``slots`` and ``block_tables`` are group 0's); None: one group
+    group_slots: list[list[list[int]]] | None = None
+    group_tables: list[list[list[int]]] | None = None
 
 
 def padded_tables(tables: list[list[int]], width: int, device: torch.device | str) -> torch.Tensor:

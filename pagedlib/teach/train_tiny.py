@@ -1,6 +1,10 @@
 """A tiny character-level Llama trained on Python's own documentation (``pydoc_data.topics``), so notebook 08
 shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny`` (seeded, one thread) writes it, and
-``training.json`` (the run), to ``pagedlib/data/tiny_char_llama/``; tests and notebooks only load them."""
+``training.json`` (the run), to ``pagedlib/data/tiny_char_llama/``; tests and notebooks only load them.
+
+``--hybrid`` trains its sibling for notebook 15 (``pagedlib/data/tiny_char_hybrid/``): four layers, sliding-window
+and full attention in turn, as a transformers ``MinistralForCausalLM`` (Llama's weights plus a config's
+``layer_types`` and ``sliding_window``, the two fields vLLM's Llama/Mistral path reads too)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ from pagedlib.checks import token_list
 from pagedlib.model import PagedLlama
 
 TINY_DIR = Path(__file__).parent.parent / "data" / "tiny_char_llama"
+HYBRID_DIR = Path(__file__).parent.parent / "data" / "tiny_char_hybrid"
 COMMAND = "nice -n 10 python -m pagedlib.teach.train_tiny"
+HYBRID_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+HYBRID_WINDOW = 48  # tokens a sliding layer sees (itself included): 3 blocks of 16, 1.5 of vLLM's CPU 32
 
 # the few non-ASCII characters of the corpus, spelled in ASCII so the vocabulary stays printable ASCII
 _ASCII = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-",
@@ -74,6 +81,8 @@ class TrainConfig:
     warmup: int = 30
     seed: int = 0
     threads: int = 1            # on 2 shared cores a second thread made each step ~5x slower (measured)
+    layer_types: tuple[str, ...] | None = None  # the hybrid sibling's: a sliding window or full attention
+    sliding_window: int | None = None
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -94,17 +103,16 @@ def _loss(model: Any, data: torch.Tensor, starts: torch.Tensor, context: int) ->
 def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[str, Any]]:
     """Train a ``LlamaForCausalLM`` on ``corpus()`` (the last 5% held out): the model, the tokenizer and
     what the run measured (losses in nats per character, seconds)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     tok = CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)))             # 96 characters
     data = torch.tensor(tok.encode(corpus()))
     train_data, val_data = data[:int(len(data) * 0.95)], data[int(len(data) * 0.95):]
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)).train()
+    sizes = dict(vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                 num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    model = _hf_class(cfg.layer_types is not None)(sizes, cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     g, start = torch.Generator().manual_seed(cfg.seed), time.perf_counter()
     for step in range(cfg.steps):
@@ -126,6 +134,22 @@ def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[
                         "val_loss": round(val_loss, 4), "uniform_loss": round(math.log(len(tok)), 4)}
 
 
+def _hf_class(hybrid: bool) -> Any:
+    """A maker of the transformers model: ``LlamaForCausalLM``, or for the hybrid sibling
+    ``MinistralForCausalLM`` with ``layer_types``, ``sliding_window`` and ``architectures`` set so that vLLM
+    serves it with its Llama/Mistral path (its registry has no ``MinistralForCausalLM``)."""
+    def make(sizes: dict[str, Any], cfg: TrainConfig) -> Any:
+        if not hybrid:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            return LlamaForCausalLM(LlamaConfig(**sizes))
+        from transformers import MinistralConfig, MinistralForCausalLM
+        config = MinistralConfig(**sizes, head_dim=cfg.hidden_size // cfg.num_heads,
+                                 layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window,
+                                 architectures=["MistralForCausalLM"])
+        return MinistralForCausalLM(config)
+    return make
+
+
 def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any], out: Path | str) -> None:
     """Write the weights, ``config.json``, ``vocab.json`` and ``training.json`` (the run) into ``out``."""
     from safetensors.torch import save_file
@@ -133,7 +157,8 @@ def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any]
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
     model.config.to_json_file(str(out / "config.json"))
     (out / "vocab.json").write_text(json.dumps({"chars": tok.chars}) + "\n")
-    record = {"command": COMMAND, "config": cfg.__dict__, **stats, "torch": torch.__version__,
+    command = COMMAND + (" --hybrid" if cfg.layer_types else "")
+    record = {"command": command, "config": cfg.__dict__, **stats, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine()}
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
@@ -157,10 +182,18 @@ def load_tiny(path: Path | str = TINY_DIR, device: str = "cpu") -> tuple[PagedLl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedlib.teach.train_tiny", description=__doc__)
-    parser.add_argument("--out", type=Path, default=TINY_DIR, help="output folder (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"output folder (default: {TINY_DIR}, or {HYBRID_DIR} with --hybrid)")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="the hybrid sibling: 4 layers, sliding-window and full attention in turn")
     args = parser.parse_args(argv)
     cfg = TrainConfig(steps=args.steps)
+    if args.hybrid:
+        cfg = TrainConfig(steps=args.steps, num_layers=len(HYBRID_LAYERS), layer_types=HYBRID_LAYERS,
+                          sliding_window=HYBRID_WINDOW)
+    if args.out is None:
+        args.out = HYBRID_DIR if args.hybrid else TINY_DIR
     model, tok, stats = train(cfg)
     save(model, tok, cfg, stats, args.out)
     print(json.dumps(stats), file=sys.stderr)
