@@ -21,6 +21,7 @@ from pagedlib.teach.train_tiny import (
     TINY_DIR,
     CharTokenizer,
     TrainConfig,
+    config_record,
     corpus,
     load_tiny,
     load_tiny_hf,
@@ -43,7 +44,7 @@ def test_committed_files_are_small_and_say_how_they_were_made():
     assert weights.stat().st_size < 4 * 2**20
     record = json.loads((TINY_DIR / "training.json").read_text())
     assert record["command"] == "nice -n 10 python -m pagedlib.teach.train_tiny"
-    assert record["config"] == TrainConfig().__dict__          # the defaults made these weights
+    assert record["config"] == config_record(TrainConfig())    # the defaults made these weights
     assert record["train_seconds"] > 0
 
 

@@ -134,6 +134,16 @@ def train(cfg: TrainConfig, log: Any = print) -> tuple[Any, CharTokenizer, dict[
                         "val_loss": round(val_loss, 4), "uniform_loss": round(math.log(len(tok)), 4)}
 
 
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as ``training.json`` records it: the hybrid fields only for the hybrid sibling."""
+    record = dict(cfg.__dict__)
+    if cfg.layer_types is None:
+        del record["layer_types"], record["sliding_window"]
+    else:
+        record["layer_types"] = list(cfg.layer_types)
+    return record
+
+
 def _hf_class(hybrid: bool) -> Any:
     """A maker of the transformers model: ``LlamaForCausalLM``, or for the hybrid sibling
     ``MinistralForCausalLM`` with ``layer_types``, ``sliding_window`` and ``architectures`` set so that vLLM
@@ -158,7 +168,7 @@ def save(model: Any, tok: CharTokenizer, cfg: TrainConfig, stats: dict[str, Any]
     model.config.to_json_file(str(out / "config.json"))
     (out / "vocab.json").write_text(json.dumps({"chars": tok.chars}) + "\n")
     command = COMMAND + (" --hybrid" if cfg.layer_types else "")
-    record = {"command": command, "config": cfg.__dict__, **stats, "torch": torch.__version__,
+    record = {"command": command, "config": config_record(cfg), **stats, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine()}
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
@@ -170,6 +180,18 @@ def load_tiny_hf(path: Path | str = TINY_DIR) -> tuple[Any, CharTokenizer]:
     if not ((path := Path(path)) / "model.safetensors").exists():
         raise FileNotFoundError(f"no tiny model under {path}: run `{COMMAND}` to make it")
     model = LlamaForCausalLM(LlamaConfig.from_json_file(str(path / "config.json")))
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model.eval(), CharTokenizer(json.loads((path / "vocab.json").read_text())["chars"])
+
+
+def load_tiny_hybrid_hf(path: Path | str = HYBRID_DIR) -> tuple[Any, CharTokenizer]:
+    """The committed hybrid sibling in a ``transformers.MinistralForCausalLM`` (eval mode; its config's
+    ``layer_types`` and ``sliding_window`` say which layers see a window), and the tokenizer."""
+    from safetensors.torch import load_file
+    from transformers import MinistralConfig, MinistralForCausalLM
+    if not ((path := Path(path)) / "model.safetensors").exists():
+        raise FileNotFoundError(f"no tiny hybrid model under {path}: run `{COMMAND} --hybrid` to make it")
+    model = MinistralForCausalLM(MinistralConfig.from_json_file(str(path / "config.json")))
     model.load_state_dict(load_file(str(path / "model.safetensors")))
     return model.eval(), CharTokenizer(json.loads((path / "vocab.json").read_text())["chars"])
 
