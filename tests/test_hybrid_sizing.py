@@ -155,6 +155,15 @@ def test_gemma_3_27b_pays_for_vllm_padding_by_hand():
     assert got.per_layer < got.grouped < got.uniform
 
 
+def test_gemma_3_27b_short_sequence_costs_more_in_vllm_groups():
+    """Below the window no block goes back, and vLLM's 7 groups of 10 layers pay for 70 layers, not 62."""
+    got = sequence_kv_bytes(HYBRID_PRESETS["gemma-3-27b"], 1000, block_size=16)
+    block_bytes = 16 * 2 * 16 * 128 * 2
+    assert got.uniform == got.per_layer == 62 * 63 * block_bytes  # ceil(1000 / 16) = 63 blocks a layer
+    assert got.grouped == 7 * 10 * 63 * block_bytes
+    assert got.grouped_saving == 1 - Fraction(70, 62) < 0
+
+
 def test_grouped_equals_vllm_groups():
     """The grouped bytes, from the groups vLLM 0.32.0 itself forms (``kv_cache_utils``'s
     ``_get_kv_cache_groups_uniform_page_size``): each group's table holds its blocks, every block as large as
@@ -224,6 +233,8 @@ def test_windows_never_cost_more(spec, n, b, data):
     assert 0 <= got.saving < 1  # the last token's block always stays
     if n <= spec.sliding_window:  # the window reaches the first token: nothing to give back
         assert got.per_layer == got.uniform
+    dense = ModelSpec("dense", spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.num_kv_heads)
+    assert got.uniform == paged_kv_bytes(dense, [n], b)  # uniform is chapter 01's paged cache
 
 
 @settings(deadline=None)
