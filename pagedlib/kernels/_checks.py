@@ -11,6 +11,7 @@ import torch
 
 from pagedlib.core import fp8
 from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.core.groups import NULL_BLOCK
 from pagedlib.util import as_int
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -34,9 +35,12 @@ def check_number(name: str, value: object, zero_ok: bool = False) -> float:
     return number
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
+def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, *, window: int | None = None,
+                       new_tokens: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     """``paged_attention``'s tensors (one device sync) -> ``(batch, q_heads, kv_heads, head_dim,
-    block_size)``."""
+    block_size)``. With a checked ``window``, a table entry may be ``NULL_BLOCK`` where its block lies
+    wholly before the window of the sequence's first new token (``new_tokens`` ``[batch]``: new tokens per
+    sequence; default one each, a decode)."""
     for name, tensor in zip(PAGED_ARGS, (q, k_cache, v_cache, block_tables, seq_lens)):
         _check_dense(name, tensor, q)
     _check_shapes(q, k_cache, v_cache)
@@ -53,7 +57,7 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dtype != q.dtype and cache.dtype not in FP8_DTYPES:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {cache.dtype}")
-    _check_tables(q, block_tables, seq_lens, num_blocks, block_size)
+    _check_tables(q, block_tables, seq_lens, num_blocks, block_size, window, new_tokens)
     return batch, q_heads, kv_heads, head_dim, block_size
 
 
@@ -87,9 +91,11 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
                              f"got shape {list(k_cache.shape)}")
 
 
-def _check_tables(q, tables, lens, num_blocks: int, block_size: int) -> None:
+def _check_tables(q, tables, lens, num_blocks: int, block_size: int, window: int | None = None,
+                  new_tokens: torch.Tensor | None = None) -> None:
     """int32 ``block_tables`` ``[batch, max_blocks]`` and ``seq_lens`` ``[batch]``: every length from 1 to
-    the table's capacity, every entry a sequence uses a block id (one device sync when all is well)."""
+    the table's capacity, every entry a sequence uses a block id, or ``NULL_BLOCK`` before the window of
+    every new token when there is a ``window`` (one device sync when all is well)."""
     _check_tensor(tables, 2, torch.int32,
                   must="block_tables must be an int32 tensor of shape [batch, max_blocks]")
     _check_tensor(lens, 1, torch.int32, must="seq_lens must be an int32 tensor of shape [batch]")
@@ -104,8 +110,13 @@ def _check_tables(q, tables, lens, num_blocks: int, block_size: int) -> None:
     lens = lens.long()                                                               # [batch]
     bad_len = (lens < 1) | (lens > max_blocks * block_size)                          # [batch]
     blocks_used = (lens[:, None] + block_size - 1) // block_size                     # [batch, 1]
-    used = torch.arange(max_blocks, device=lens.device) < blocks_used                # [batch, max_blocks]
+    column = torch.arange(max_blocks, device=lens.device)                            # [max_blocks]
+    used = column < blocks_used                                                      # [batch, max_blocks]
     bad_entry = used & ((tables < 0) | (tables >= num_blocks))                       # [batch, max_blocks]
+    if window is not None:  # blocks before the first new token's window may have been given back
+        first_key = (lens - _new_tokens(new_tokens, lens) - window + 1).clamp(min=0)  # [batch]
+        skipped = column < (first_key // block_size)[:, None]                        # [batch, max_blocks]
+        bad_entry &= ~(skipped & (tables == NULL_BLOCK))
     if not bool(bad_len.any() | bad_entry.any()):  # the one sync when all is well
         return
     if bad_len.any():
@@ -114,9 +125,28 @@ def _check_tables(q, tables, lens, num_blocks: int, block_size: int) -> None:
                          f"max_blocks * block_size = {max_blocks} * {block_size} = {max_blocks * block_size}")
     b, j = bad_entry.nonzero()[0].tolist()
     last = min(int(lens[b]), (j + 1) * block_size) - 1
+    what = ""
+    if window is not None:
+        what = (f"; with window {window}, only blocks wholly before position {int(first_key[b])} (where the "
+                f"window of its first new token starts) may be NULL_BLOCK ({NULL_BLOCK})")
     raise ValueError(f"block_tables[{b}, {j}] = {int(tables[b, j])} is not a block id in [0, num_blocks="
                      f"{num_blocks}), yet sequence {b} (length {int(lens[b])}) keeps positions "
-                     f"{j * block_size}..{last} there")
+                     f"{j * block_size}..{last} there{what}")
+
+
+def _new_tokens(new_tokens: torch.Tensor | None, lens: torch.Tensor) -> torch.Tensor:
+    """New tokens per sequence as int64 ``[batch]``: ``new_tokens``, or one each (a decode step)."""
+    if new_tokens is None:
+        return torch.ones_like(lens)
+    return new_tokens.long()
+
+
+def check_window_size(window: object) -> int | None:
+    """A sliding ``window`` (tokens a query sees, itself included) as an int >= 1, or ``None``: full
+    causal attention."""
+    if window is None:
+        return None
+    return as_int("window", window, minimum=1)
 
 
 def _got(x: object) -> object:
@@ -214,11 +244,12 @@ def check_triton(q, k_cache, v_cache, num_splits, compiled: bool) -> int | None:
     return as_int("num_splits", num_splits, minimum=1, maximum=MAX_SPLITS)
 
 
-def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
-                        ) -> tuple[list[int], list[int]]:
+def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        window: int | None = None) -> tuple[list[int], list[int]]:
     """``paged_attention_varlen``'s arguments (two device syncs) -> ``(seq_lens, query_start_loc)`` as
     lists: ``query_start_loc`` starts at 0, rises by >= 1 per sequence to ``T``, and no sequence has more
-    new tokens than ``seq_lens`` stores."""
+    new tokens than ``seq_lens`` stores. ``window``: checked by ``check_window_size``; with one, table
+    entries wholly before a sequence's windows may be ``NULL_BLOCK``."""
     _check_tensor(q, 3, rows=1, must="q must be a tensor of shape [T >= 1, q_heads, head_dim] (the new "
                                      "tokens of every sequence)")
     _check_tensor(query_start_loc, 1, torch.int32, rows=2,
@@ -237,7 +268,11 @@ def check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start
             shown = [*starts[:10], "..."]
         raise ValueError(f"query_start_loc must rise from 0 by at least 1 per sequence to T = {q.shape[0]} "
                          f"(q's rows), got {shown}")
-    check_paged_inputs(q[:batch], k_cache, v_cache, block_tables, seq_lens)  # caches: q's dtype or fp8
+    new_tokens = None
+    if window is not None:
+        new_tokens = query_start_loc.diff()                                          # [batch]
+    check_paged_inputs(q[:batch], k_cache, v_cache, block_tables, seq_lens,  # caches: q's dtype or fp8
+                       window=window, new_tokens=new_tokens)
     lens = seq_lens.tolist()
     for b in range(batch):
         if new[b] > lens[b]:

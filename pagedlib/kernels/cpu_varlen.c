@@ -7,6 +7,11 @@
    copy: a float32 block is read in place; fp16, bf16 and fp8 blocks are widened to float one block (one
    head) at a time into a few kilobytes that stay in the core's cache.
 
+   A sliding window (window > 0) starts a work item's walk at the first block its first row's window
+   reaches: blocks before it are never read (their table entries may be -1, the null block of a group
+   that gave them back), and each row skips the keys before its own window. Each loop is compiled twice,
+   with and without the window (W), so that full attention runs the loop it ran before windows existed.
+
    Two loops, for two shapes of work. A few rows (a decode) take dot products, key after key
    (attend_rows). A tile of many rows (a prompt chunk) takes each key against all its rows at once, its
    queries transposed so that the arithmetic runs along the rows (attend_tile): a dot product ends in a
@@ -39,6 +44,7 @@ typedef struct {                /* what every work item of one call shares */
     const int32_t *tables; int64_t table_stride;  /* [batch, max_blocks] */
     const int32_t *seq_lens, *qsl;                /* [batch], [batch + 1] */
     int q_heads, kv_heads, group, block_size, num_blocks;
+    int window;                                   /* a row at p sees keys p - window < k <= p; 0: k <= p */
     float scale;
 } Call;
 
@@ -137,12 +143,20 @@ INLINE void add_pv(float *acc, float fix, const float *p, int step, int see, con
     for (int d = 0; d < D; d++) acc[d] = a[d];
 }
 
+/* The first block a work item reads: 0, or with a window (W) the block of the first key the window of
+   its first row (at position p) holds */
+INLINE int first_block(const Call *c, int p, const int W) {
+    int key = W ? p + 1 - c->window : 0;
+    return key > 0 ? key / c->block_size : 0;
+}
+
 /* A work item of few rows: sequence b's rows [r0, r1) (of KV head h, or of every head for h < 0: a
    decode's item reads whole blocks, every head's slots in memory order). A row at position p sees keys
-   0..p. D is a compile-time constant where the caller passes one (the loops over it then unroll). Each
-   row's scores are dot products, four keys at a time. Returns 1 if the table names a block outside the
-   pool, else 0. */
-INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
+   0..p, or p - window + 1..p with a window (W). D and W are compile-time constants where the caller
+   passes them (the loops over D then unroll). Each row's scores are dot products, four keys at a time.
+   Returns 1 if the table names a block outside the pool, else 0. */
+INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D, const int W, float *kbuf,
+                       float *vbuf) {
     float acc[ROWS][D], qs[ROWS][D], m[ROWS], l[ROWS], s[c->block_size];
     int R = r1 - r0, bs = c->block_size, q0 = c->qsl[b], kvh[ROWS], pos[ROWS];
     int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);        /* tokens before the new ones */
@@ -155,7 +169,8 @@ INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D,
         kvh[r] = h < 0 ? x.head / c->group : 0;          /* its head among the fetched ones */
     }
     int last = context + row_of(c, h, r1 - 1).token;    /* the last row's position: keys 0..last */
-    for (int j = 0; j <= last / bs; j++) {               /* the table walk, one block at a time */
+    int j0 = first_block(c, context + row_of(c, h, r0).token, W);
+    for (int j = j0; j <= last / bs; j++) {              /* the table walk, one block at a time */
         int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
         const float *kb, *vb; int64_t st[4];
         if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kb, &vb, st)) return 1;
@@ -163,7 +178,15 @@ INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D,
             int see = pos[r] + 1 - j * bs;                    /* causal: this row's keys in the block */
             if (see <= 0) continue;
             see = see < n ? see : n;
-            const float *qr = qs[r], *kp = kb + kvh[r] * st[1], *vp = vb + kvh[r] * st[3];
+            int from = 0;                                     /* window: its first key in the block */
+            if (W) {
+                from = pos[r] + 1 - c->window - j * bs;
+                from = from > 0 ? from : 0;
+                if (from >= see) continue;
+                see -= from;                                  /* the keys it sees, from key `from` on */
+            }
+            const float *qr = qs[r], *kp = kb + kvh[r] * st[1] + from * st[0];
+            const float *vp = vb + kvh[r] * st[3] + from * st[2];
             int64_t ks = st[0];
             int t = 0;
             for (; t + 4 <= see; t += 4) {                    /* scores, four keys at a time */
@@ -199,27 +222,32 @@ INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D,
 /* A work item of many rows of one KV head h (a prompt chunk's tile), as attend_rows computes them. Its
    queries transposed once, qT [D, ROWS], each key's scores for every row come from one multiply-add per
    element of the key, along the rows; s[t][r] holds scores, then probabilities (0 where a row must not
-   see key t). */
-INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D, float *kbuf, float *vbuf) {
+   see key t: row r sees keys from[r] <= t < see[r] of the block). */
+INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D, const int W, float *kbuf,
+                       float *vbuf) {
     float acc[ROWS][D], qT[D][ROWS], s[c->block_size][ROWS], m[ROWS], l[ROWS], top[ROWS], sum[ROWS];
-    int see[ROWS], R = r1 - r0, bs = c->block_size, q0 = c->qsl[b];
+    int see[ROWS], from[ROWS], R = r1 - r0, bs = c->block_size, q0 = c->qsl[b];
     int context = c->seq_lens[b] - (c->qsl[b + 1] - q0);
     for (int r = 0; r < ROWS; r++) {           /* rows past R: zero queries that see nothing */
         const float *qr = c->q + row_at(c, q0, row_of(c, h, r0 + (r < R ? r : 0)), D);
         for (int d = 0; d < D; d++) { qT[d][r] = r < R ? qr[d] * c->scale : 0.0f; acc[r][d] = 0.0f; }
         m[r] = -FLT_MAX; l[r] = 0.0f;
     }
-    int last = context + row_of(c, h, r1 - 1).token;
-    for (int j = 0; j <= last / bs; j++) {
+    int first = context + row_of(c, h, r0).token, last = context + row_of(c, h, r1 - 1).token;
+    for (int j = first_block(c, first, W); j <= last / bs; j++) {
         int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
         const float *kp, *vp; int64_t st[4];
         if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kp, &vp, st)) return 1;
+        int t0 = W ? first + 1 - c->window - j * bs : 0;      /* window: the block's first key any row sees */
+        t0 = t0 > 0 ? t0 : 0;
         for (int r = 0; r < ROWS; r++) {
             int v = r < R ? context + row_of(c, h, r0 + r).token + 1 - j * bs : 0;
             see[r] = v < 0 ? 0 : v > n ? n : v;
+            int f = W ? v - c->window : 0;
+            from[r] = f < 0 ? 0 : f > see[r] ? see[r] : f;
             top[r] = m[r]; sum[r] = 0.0f;
         }
-        for (int t = 0; t < n; t++) {                         /* scores: key t against every row */
+        for (int t = t0; t < n; t++) {                        /* scores: key t against every row */
             float sc[ROWS] = {0};
             for (int d = 0; d < D; d++)
                 #pragma omp simd
@@ -227,20 +255,21 @@ INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D,
             #pragma omp simd
             for (int r = 0; r < ROWS; r++) {
                 s[t][r] = sc[r];
-                top[r] = t < see[r] && sc[r] > top[r] ? sc[r] : top[r];
+                top[r] = t < see[r] && (!W || t >= from[r]) && sc[r] > top[r] ? sc[r] : top[r];
             }
         }
-        for (int t = 0; t < n; t++)                           /* probabilities: exactly 0 past a row's see */
+        for (int t = t0; t < n; t++)                          /* probabilities: exactly 0 where unseen */
             #pragma omp simd
             for (int r = 0; r < ROWS; r++) {
-                s[t][r] = t < see[r] ? exp_neg(s[t][r] - top[r]) : 0.0f;
+                s[t][r] = t < see[r] && (!W || t >= from[r]) ? exp_neg(s[t][r] - top[r]) : 0.0f;
                 sum[r] += s[t][r];
             }
         for (int r = 0; r < R; r++) {
             float fix = exp_neg(m[r] - top[r]);
             l[r] = l[r] * fix + sum[r];
             m[r] = top[r];
-            add_pv(acc[r], fix, &s[0][r], ROWS, see[r], vp, st[2], D);
+            if (see[r] > from[r])      /* V from the row's first key on: keys before it are never weighed */
+                add_pv(acc[r], fix, &s[from[r]][r], ROWS, see[r] - from[r], vp + from[r] * st[2], st[2], D);
         }
     }
     for (int r = 0; r < R; r++)
@@ -248,10 +277,13 @@ INLINE int attend_tile(const Call *c, int b, int h, int r0, int r1, const int D,
     return 0;
 }
 
-/* Either loop, compiled once per common head_dim and once for any other (up to 256) */
+/* Either loop, compiled once per common head_dim and once for any other (up to 256), each with and
+   without a window */
 INLINE int attend_item(const Call *c, int b, int h, int r0, int r1, const int D, float *kb, float *vb) {
-    if (h >= 0 && r1 - r0 > ROWS / 2) return attend_tile(c, b, h, r0, r1, D, kb, vb);
-    return attend_rows(c, b, h, r0, r1, D, kb, vb);
+    int tile = h >= 0 && r1 - r0 > ROWS / 2;
+    if (c->window)
+        return tile ? attend_tile(c, b, h, r0, r1, D, 1, kb, vb) : attend_rows(c, b, h, r0, r1, D, 1, kb, vb);
+    return tile ? attend_tile(c, b, h, r0, r1, D, 0, kb, vb) : attend_rows(c, b, h, r0, r1, D, 0, kb, vb);
 }
 typedef int (*Item)(const Call *, int, int, int, int, int, float *, float *);
 #define ITEM_FOR(D) static int item_##D(const Call *c, int b, int h, int r0, int r1, int dim, float *kb, \
@@ -278,15 +310,15 @@ INLINE int64_t cut(const Call *c, int b, int64_t i, int *h, int *r0, int *r1) {
 }
 
 /* Attention for every query row of a step: q [T, q_heads, head_dim] float32 (pagedlib's varlen layout,
-   query_start_loc's rows), out the same, the work items shared by `threads` threads. Returns 0; -1 if
-   memory ran out; 1 if a block table names a block outside the pool (nothing is read there; out is then
-   incomplete). */
+   query_start_loc's rows), out the same, the work items shared by `threads` threads; window > 0: a
+   sliding window (0: full causal attention). Returns 0; -1 if memory ran out; 1 if a block table names a
+   block outside the pool where a row's keys lie (nothing is read there; out is then incomplete). */
 int paged_attention_varlen_cpu(const float *q, float *out, const Pool *k, const Pool *v,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                                const int32_t *qsl, int batch, int q_heads, int kv_heads, int head_dim,
-                               int block_size, int num_blocks, float scale, int threads) {
+                               int block_size, int num_blocks, float scale, int threads, int window) {
     Call c = { q, out, *k, *v, tables, table_stride, seq_lens, qsl, q_heads, kv_heads, q_heads / kv_heads,
-               block_size, num_blocks, scale };
+               block_size, num_blocks, window, scale };
     Item item = head_dim == 32 ? item_32 : head_dim == 64 ? item_64 : head_dim == 128 ? item_128 : item_any;
     int64_t *first = malloc(sizeof(int64_t) * (batch + 1));       /* sequence b's first work item */
     if (!first) return -1;

@@ -28,7 +28,7 @@ import torch
 from pagedlib.core.fp8 import FP8_DTYPES
 from pagedlib.kernels._checks import MAX_CPU_BLOCK_SIZE as MAX_CPU_BLOCK_SIZE  # re-exported: checks.py
 from pagedlib.kernels._checks import MAX_HEAD_DIM as MAX_HEAD_DIM  # reads them
-from pagedlib.kernels._checks import check_cpu_inputs, check_scales, check_varlen_inputs
+from pagedlib.kernels._checks import check_cpu_inputs, check_scales, check_varlen_inputs, check_window_size
 from pagedlib.kernels.attention import softmax_scale
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
@@ -54,8 +54,8 @@ _kernel: dict[str, object] = {}  # "function": the loaded entry point, "info": h
 def paged_attention_varlen_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                query_start_loc: torch.Tensor, scale: float | None = None, *,
-                               k_scale: float | torch.Tensor = 1.0,
-                               v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                               k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+                               window: int | None = None) -> torch.Tensor:
     """``paged_attention_varlen`` (same arguments, same result) by the fused C kernel, on a CPU.
 
     Args:
@@ -64,21 +64,27 @@ def paged_attention_varlen_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables, seq_lens, query_start_loc: int32 ``[batch, max_blocks]``, ``[batch]``, ``[batch + 1]``.
         scale: softmax scale; default ``head_dim ** -0.5``.
         k_scale, v_scale: an fp8 cache's scales, a float or ``[kv_heads]``.
+        window: a sliding window, an int >= 1 (``paged_attention_varlen``'s); ``None``: causal.
     Returns:
         ``[T, q_heads, head_dim]``, like ``q``. ``RuntimeError`` if no C compiler can build the kernel.
     """
-    check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    window = check_window_size(window)
+    check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, window)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
     check_cpu_inputs(q, k_cache, v_cache)
     scale = softmax_scale(q.shape[2], scale)
-    return attend_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
+    return attend_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
+                      window=window)
 
 
 def attend_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-               k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``paged_attention_varlen_cpu`` on checked inputs (``check_scales``' scales): the engine's path. The
-    kernel reads float32 queries and writes float32 rows; other dtypes are converted on the way."""
+               k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
+               window: int | None = None) -> torch.Tensor:
+    """``paged_attention_varlen_cpu`` on checked inputs (``check_scales``' scales, ``window`` an int >= 1 or
+    ``None``): the engine's path. The kernel reads float32 queries and writes float32 rows; other dtypes are
+    converted on the way. It starts each walk at the first block a window reaches: ``NULL_BLOCK`` entries
+    before it are never read."""
     kernel = load_kernel()
     x = q.to(torch.float32).contiguous()                                      # [T, q_heads, head_dim]
     out = torch.empty_like(x)
@@ -88,7 +94,7 @@ def attend_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     status = kernel(x.data_ptr(), out.data_ptr(), ctypes.byref(pools[0][0]), ctypes.byref(pools[1][0]),
                     tables.data_ptr(), tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.shape[0],
                     q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], k_cache.shape[0], scale,
-                    torch.get_num_threads())
+                    torch.get_num_threads(), window or 0)
     if status == -1:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     if status:
@@ -139,7 +145,7 @@ def load_kernel():
             fn = lib.paged_attention_varlen_cpu
             i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
             fn.argtypes = [ptr, ptr, ctypes.POINTER(Pool), ctypes.POINTER(Pool), ptr, i64, ptr, ptr,
-                           i32, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+                           i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
             fn.restype = ctypes.c_int
             _kernel["function"] = fn
         return _kernel["function"]

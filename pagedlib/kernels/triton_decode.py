@@ -70,8 +70,8 @@ def _paged_decode_kernel(
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, 0, qk_scale,  # state; queries (q_pos 0: not read)
                                   start, end, table_ptr + seq * stride_tb, stride_tn,  # keys; table
                                   k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,  # K; V
-                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
-                                  CAUSAL=False)
+                                  dim_ok, k_scale, v_scale, 0, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
+                                  CAUSAL=False, WINDOWED=False)
     # write: the final output, or this split's partial state for the merge kernel
     o_offs = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :] * stride_od
     o_mask = row_ok[:, None] & dim_ok[None, :]
@@ -93,9 +93,11 @@ def _attend_tiles(
     k_cols, stride_kb, stride_ks,  # K of this KV head ([1, HEAD_DIM_P] pointers at slot 0), block, slot
     v_cols, stride_vb, stride_vs,  # V, the same
     dim_ok, k_scale, v_scale,  # [HEAD_DIM_P] False past head_dim; an fp8 cache's scales (if SCALED)
+    window,  # a sliding window (read if WINDOWED)
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,  # tokens per cache block; keys per loop step
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,  # as the kernels' own
     CAUSAL: tl.constexpr,  # row r sees keys up to q_pos[r] (the varlen kernel); else every key (decode)
+    WINDOWED: tl.constexpr,  # (CAUSAL) row r sees only keys after q_pos[r] - window, too
 ):
     # the inner loop both kernels share, whatever their grid: one program's rows (a GQA group of one token
     # for decode; BLOCK_Q tokens x the group for varlen) fold the keys in, a tile of TILE at a time
@@ -116,10 +118,15 @@ def _attend_tiles(
         seen = valid[None, :]  # [1, TILE]
         if CAUSAL:
             seen = seen & (pos[None, :] <= q_pos[:, None])  # [rows, TILE]
+        if WINDOWED:
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees a key of the first tile
-        alpha = tl.exp2(m_i - m_new)  # how much the old state shrinks (0 on the first tile)
-        p = tl.exp2(s - m_new[:, None])  # [rows, TILE], 0 at masked keys
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees a key of the first tile...
+        m_sub = m_new  # the max subtracted below
+        if WINDOWED:  # ...unless its window starts in a later tile: m stays -inf till then, subtracted as 0
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)  # how much the old state shrinks (0 on the first tile)
+        p = tl.exp2(s - m_sub[:, None])  # [rows, TILE], 0 at masked keys
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new

@@ -4,7 +4,9 @@
 One program per (query block of ``BLOCK_Q`` tokens of one sequence, KV head) finds its sequence by binary
 search (``_find_sequence``) and walks the block table with the decode kernel's own loop (``_attend_tiles``,
 through its ``_kv_tile``), its causal mask on: each of the ``BLOCK_Q * GROUP_P`` query rows is masked at its
-own position."""
+own position. With a sliding window, a program's walk starts at the first key its first token's window
+reaches (blocks before it are never read; ``NULL_BLOCK`` entries there are never loaded), and each row is
+masked at its own window's start too."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlib.kernels._checks import check_scales, check_triton, check_varlen_inputs
+from pagedlib.kernels._checks import check_scales, check_triton, check_varlen_inputs, check_window_size
 from pagedlib.kernels.attention import softmax_scale
 from pagedlib.kernels.triton_decode import LOG2E, _attend_tiles, kernel_config, launch_options, scale_vector
 from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpreting
@@ -22,7 +24,7 @@ from pagedlib.kernels.triton_mode import check_mode, interpreter_lock, interpret
 def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qsl_ptr, out_ptr,  # q, out [T, H, D]; qsl [batch + 1]
     k_scale_ptr, v_scale_ptr,  # float32 [kv_heads]: an fp8 cache's scales (read if SCALED)
-    qk_scale, num_seqs,  # softmax scale * log2(e); batch
+    qk_scale, num_seqs, window,  # softmax scale * log2(e); batch; sliding window (read if WINDOWED)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -36,6 +38,7 @@ def _varlen_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the interpreter multiplies bf16 bits wrongly)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32 rounding)
     SCALED: tl.constexpr = False,  # K/V are fp8: multiply by the scales after loading
+    WINDOWED: tl.constexpr = False,  # a row at p sees keys p - window < k <= p only
 ):
     # grid: which query block of the flat batch, which KV head; first, whose tokens the block holds
     q_block = tl.program_id(0)
@@ -65,16 +68,21 @@ def _varlen_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
     end = tl.minimum(seq_len, context + local + BLOCK_Q)
+    start = 0
+    if WINDOWED:  # the first key the first row's window holds: the rows after it see none before it
+        start = tl.maximum(context + local - window + 1, 0)
     k_cols = k_ptr + kv_head * stride_kh + dims[None, :] * stride_kd  # [1, HEAD_DIM_P]: this head, slot 0
     v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
     k_scale = tl.load(k_scale_ptr + kv_head)  # used if SCALED
     v_scale = tl.load(v_scale_ptr + kv_head)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale,  # state; queries
-                                  0, end, table_ptr + seq * stride_tb, stride_tn,  # keys; table
+                                  start, end, table_ptr + seq * stride_tb, stride_tn,  # keys; table
                                   k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,  # K; V
-                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
-                                  CAUSAL=True)
+                                  dim_ok, k_scale, v_scale, window, BLOCK_SIZE, TILE, DOT_FP32, PRECISION,
+                                  SCALED, CAUSAL=True, WINDOWED=WINDOWED)
 
+    if WINDOWED:  # a padding row past the new tokens may see no key at all: 1, not 0, to divide by
+        l_i = tl.where(row_ok, l_i, 1.0)
     o_offs = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -121,10 +129,10 @@ def varlen_config(head_dim: int, group: int, decode: bool) -> dict[str, int]:
 def launch_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None, *,
                   dot_fp32: bool | None = None, k_scale: float | torch.Tensor = 1.0,
-                  v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                  v_scale: float | torch.Tensor = 1.0, window: int | None = None) -> torch.Tensor:
     """Launch the kernel on checked inputs, without a host synchronisation (the grid comes from shapes).
     ``scale``: the softmax scale (``None``: ``head_dim ** -0.5``); ``dot_fp32``: see ``launch_options``; the
-    fp8 scales: as ``check_scales`` returns them."""
+    fp8 scales: as ``check_scales`` returns them; ``window``: checked, or ``None``."""
     T, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     batch = seq_lens.shape[0]
@@ -141,23 +149,25 @@ def launch_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     with interpreter_lock():
         _varlen_kernel[(q_blocks, kv_heads)](
             q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), out,
-            k_scales, v_scales, scale * LOG2E, batch, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            *block_tables.stride(), *out.stride(), **launch_options(q, k_cache, dot_fp32), **cfg,
-            num_warps=4)
+            k_scales, v_scales, scale * LOG2E, batch, window or 0, *q.stride(), *k_cache.stride(),
+            *v_cache.stride(), *block_tables.stride(), *out.stride(), **launch_options(q, k_cache, dot_fp32),
+            **cfg, WINDOWED=window is not None, num_warps=4)
     return out
 
 
 def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                   query_start_loc: torch.Tensor, scale: float | None = None, *,
-                                  k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0
-                                  ) -> torch.Tensor:
+                                  k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+                                  window: int | None = None) -> torch.Tensor:
     """``paged_attention_varlen`` with K/V read straight from the paged pool by one fused kernel, every
-    argument checked first (no backward pass: inputs that require grad are refused while autograd records)."""
+    argument checked first (no backward pass: inputs that require grad are refused while autograd records);
+    ``window``: a sliding window, as ``paged_attention_varlen`` takes it."""
     check_mode()
-    check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    window = check_window_size(window)
+    check_varlen_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, window)
     k_scale, v_scale = check_scales(k_cache, k_scale, v_scale)
     scale = softmax_scale(q.shape[-1], scale)
     check_triton(q, k_cache, v_cache, None, compiled=not interpreting())
     return launch_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=k_scale,
-                         v_scale=v_scale)
+                         v_scale=v_scale, window=window)
