@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 from pagedlib.core.fp8 import FP8_DTYPES
+from pagedlib.core.groups import LAYER_KINDS, SLIDING
 from pagedlib.util import as_int
 
 #: model_type -> the transformers class ``PagedLlama.from_hf`` loads: each proven token-equal by a test
-SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "ministral": "MinistralForCausalLM"}  # layer_types: sliding and full (notebook 15)
 # config fields that change the computation, and the one value PagedLlama implements
-_FIELDS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
-           "rope_type": "default"}
+_FIELDS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_type": "default"}
 ATTENTION = ("torch", "triton", "cpu")  # the gather path; the fused kernels for GPUs and for CPUs
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the attention paths' dtypes
 
@@ -25,8 +26,8 @@ MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the attention p
 def check_hf_config(config: Any) -> None:
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODELS:
-        raise ValueError(f"PagedLlama supports model_type in {sorted(SUPPORTED_MODELS)} only (Mistral: with "
-                         f"no sliding window), the config has model_type={kind!r}")
+        raise ValueError(f"PagedLlama supports model_type in {sorted(SUPPORTED_MODELS)} only, the config has "
+                         f"model_type={kind!r}")
     for field, want in _FIELDS.items():
         got = getattr(config, field, want)
         if field == "rope_type":  # transformers keeps it inside rope_parameters
@@ -40,6 +41,23 @@ def check_hf_config(config: Any) -> None:
     if head_dim % 2 or heads % kv_heads:
         raise ValueError("PagedLlama needs an even head_dim and num_attention_heads a multiple of "
                          f"num_key_value_heads, got {head_dim}, {heads}, {kv_heads}")
+    check_layer_types(getattr(config, "layer_types", None), getattr(config, "sliding_window", None),
+                      config.num_hidden_layers)
+
+
+def check_layer_types(layer_types: Any, sliding_window: Any, num_layers: int) -> None:
+    """A config's ``layer_types`` (``None``, or one of ``LAYER_KINDS`` per layer) and ``sliding_window``
+    (``None``, or the tokens a sliding layer sees: an int >= 1, needed when a layer slides)."""
+    if layer_types is not None:
+        if (isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, Sequence)
+                or len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_KINDS)):
+            raise ValueError(f"layer_types must list one of {LAYER_KINDS} for each of the {num_layers} "
+                             f"layers, got {layer_types!r}")
+    slides = sliding_window is not None if layer_types is None else SLIDING in layer_types
+    if slides and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                   or sliding_window < 1):
+        raise ValueError(f"sliding_window must be an int >= 1 for sliding_attention layers, got "
+                         f"{sliding_window!r}")
 
 
 def check_hf_model(hf_model: Any) -> None:

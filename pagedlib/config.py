@@ -41,6 +41,9 @@ class EngineConfig:
             ``"victim"`` (stored when the prefix cache evicts it) or ``"none"`` (swapped blocks only).
         preemption: ``"recompute"`` (vLLM V1's only mode) or ``"swap"`` (the victim's blocks go to the host
             tier and come back; recomputed when the tier has no room).
+        hybrid_kv_cache: a model with sliding-window layers keeps a block table per KV-cache group and gives
+            back the blocks its windows have left (notebook 15); ``False``: one table for every layer, every
+            block kept (vLLM's ``--disable-hybrid-kv-cache-manager``).
     """
 
     num_blocks: int
@@ -58,6 +61,7 @@ class EngineConfig:
     host_policy: str = "lru"
     host_write: str = "through"
     preemption: str = "recompute"
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -65,6 +69,8 @@ class EngineConfig:
         fix("block_size", as_int("block_size", self.block_size, minimum=1))
         # the Scheduler checks these too, but only after the cache is allocated; watermark and the ints
         # are normalised here because the bridge sends them as JSON
+        if not isinstance(self.hybrid_kv_cache, bool):
+            raise ValueError(f"hybrid_kv_cache must be a bool, got {self.hybrid_kv_cache!r}")
         if not isinstance(self.full_prompt_must_fit, bool):
             raise ValueError(f"full_prompt_must_fit must be a bool, got {self.full_prompt_must_fit!r}")
         fix("max_num_seqs", as_int("max_num_seqs", self.max_num_seqs, minimum=1))

@@ -80,7 +80,8 @@ class Engine:
         config = self.config
         return self.model.new_cache(config.num_blocks, config.block_size,
                                     enable_prefix_caching=config.enable_prefix_caching,
-                                    kv_cache_dtype=config.kv_cache_dtype, prefix_cache=config.prefix_cache)
+                                    kv_cache_dtype=config.kv_cache_dtype, prefix_cache=config.prefix_cache,
+                                    hybrid_kv_cache=config.hybrid_kv_cache)
 
     def _new_scheduler(self) -> Scheduler:
         config = self.config

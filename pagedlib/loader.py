@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedlib import checks
+from pagedlib.core.groups import SLIDING
 
 
 def shape_fields(config: Any) -> dict[str, Any]:
@@ -37,13 +38,28 @@ def shape_fields(config: Any) -> dict[str, Any]:
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        **window_fields(config),
     )
+
+
+def window_fields(config: Any) -> dict[str, Any]:
+    """``LlamaShape``'s ``layer_types`` and ``sliding_window`` (notebook 15): ``layer_types`` ``None`` when
+    every layer runs full attention; a Mistral's one window for every layer makes each layer a sliding
+    one."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None and window is not None:
+        kinds = [SLIDING] * config.num_hidden_layers
+    if kinds is None or SLIDING not in kinds:
+        return dict(layer_types=None, sliding_window=None)
+    return dict(layer_types=tuple(kinds), sliding_window=int(window))
 
 
 def from_hf(cls: Any, hf_model: Any, *, dtype: torch.dtype | None = None,
             device: torch.device | str | None = None) -> Any:
-    """``PagedLlama.from_hf`` (``cls``): a copy of a transformers ``LlamaForCausalLM`` or
-    ``MistralForCausalLM``, in ``dtype`` on ``device`` (default: those of ``hf_model``'s weights)."""
+    """``PagedLlama.from_hf`` (``cls``): a copy of a transformers ``LlamaForCausalLM``,
+    ``MistralForCausalLM`` or ``MinistralForCausalLM``, in ``dtype`` on ``device`` (default: those of
+    ``hf_model``'s weights)."""
     checks.check_hf_model(hf_model)
     first = next(hf_model.parameters())
     if dtype is None:

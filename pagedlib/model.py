@@ -1,7 +1,9 @@
 """A small Llama decoder whose attention runs on the paged KV cache (notebook 08).
 
 Hugging Face's ``LlamaForCausalLM`` parameter names; ``from_hf`` loads only what this computes exactly
-(``checks.SUPPORTED_MODELS``; ``pagedlib.loader`` reads the config and copies the weights). A forward pass
+(``checks.SUPPORTED_MODELS``; ``pagedlib.loader`` reads the config and copies the weights). A hybrid model's
+layers (notebook 15) run full attention or a sliding window, as its config's ``layer_types`` say; its cache
+keeps a block table per KV-cache group (``core/groups.py``), and each layer reads its group's. A forward pass
 (``PagedLlama.forward``) runs a step the scheduler planned: the new tokens of many sequences flattened
 together, decodes and prompt chunks alike (vLLM V1's step), each with the slot the scheduler reserved for it
 (``Batch``). Per layer it **writes** K/V there and **attends** through the tables with one varlen kernel,
@@ -20,6 +22,7 @@ from torch import nn
 
 from pagedlib import checks, loader
 from pagedlib.core.cache import Batch, PagedKVCache, padded_tables
+from pagedlib.core.groups import SLIDING, KVGroup, kv_groups
 from pagedlib.kernels.cpu_gemm import PackedLinear, project
 from pagedlib.kernels.varlen import Step
 
@@ -38,6 +41,19 @@ class LlamaShape:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] | None = None  # each layer's kind (None: all full attention; notebook 15)
+    sliding_window: int | None = None           # the tokens a sliding layer sees, itself included
+
+    def window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends through (``None``: full attention)."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The layers grouped as vLLM groups them, one block table each (one group: one kind of layer)."""
+        return kv_groups(self.layer_types, self.sliding_window, self.num_layers)
 
     @classmethod
     def from_hf(cls, config: Any) -> LlamaShape:
@@ -81,6 +97,7 @@ class Attention(nn.Module):
     def __init__(self, shape: LlamaShape, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.window = shape.window(layer)  # None: full attention
         self.head_dim = shape.head_dim
         q_size = shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
@@ -104,7 +121,7 @@ class Attention(nn.Module):
         k, v = cache.pool.encode(k, v)                        # fp8: quantized (notebook 10)
         k_pool[step.blocks, step.offsets] = k                 # vLLM's reshape_and_cache
         v_pool[step.blocks, step.offsets] = v
-        out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale)  # [T, Hq, D]
+        out = step.attend(q, k_pool, v_pool, cache.k_scale, cache.v_scale, self.window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, -1))                # [T, Hq * D] -> [T, hidden]
 
 
@@ -134,6 +151,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step,
                 cache: PagedKVCache) -> torch.Tensor:
+        """``step``: the step as this layer's KV-cache group sees it (its slots and tables)."""
         x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -184,14 +202,22 @@ class PagedLlama(nn.Module):
 
     def new_cache(self, num_blocks: int, block_size: int = 16, *,
                   enable_prefix_caching: bool = False, kv_cache_dtype: torch.dtype | None = None,
-                  prefix_cache: str = "hash") -> PagedKVCache:
+                  prefix_cache: str = "hash", hybrid_kv_cache: bool = True) -> PagedKVCache:
         """An empty ``PagedKVCache`` with this model's geometry, dtype (or an fp8 ``kv_cache_dtype``, scales
-        1.0) and device."""
+        1.0) and device. A model with sliding layers gets a table per KV-cache group (its window groups give
+        back the blocks their window has left); ``hybrid_kv_cache=False``: one table for every layer, as
+        vLLM's ``--disable-hybrid-kv-cache-manager`` (the windows then only mask, every block stays)."""
         dtype = checks.check_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        if not isinstance(hybrid_kv_cache, bool):
+            raise ValueError(f"hybrid_kv_cache must be a bool, got {hybrid_kv_cache!r}")
         shape = self.shape
+        grouped = {}
+        if hybrid_kv_cache and shape.layer_types is not None:
+            grouped = dict(groups=shape.kv_groups)
         return PagedKVCache(num_blocks, shape.num_layers, block_size, shape.num_kv_heads,
                             shape.head_dim, dtype=dtype, device=self.device,
-                            enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache)
+                            enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache,
+                            **grouped)
 
     @torch.no_grad()
     def step(self, cache: PagedKVCache, seq_ids: Sequence[Hashable],
@@ -210,10 +236,11 @@ class PagedLlama(nn.Module):
         per layer write each new token's K/V into its slot and attend through the tables. Returns
         ``[len(batch.seq_ids), vocab_size]`` logits after each sequence's last new token."""
         cache.pool.copy_blocks(batch.copies)
-        return self._forward(self._step(cache, batch, attention), cache)
+        return self._forward(self._steps(cache, batch, attention), cache)
 
-    def _step(self, cache: PagedKVCache, batch: Batch, attention: str) -> Step:
-        """The ``Step`` tensors of ``batch``: where each new token goes and what it attends to."""
+    def _steps(self, cache: PagedKVCache, batch: Batch, attention: str) -> list[Step]:
+        """The ``Step`` tensors of ``batch`` as each KV-cache group sees them (one group: one ``Step``): the
+        tokens, positions and lengths of all, and each group's slots and tables."""
         device = self.device
         block_size = cache.block_size
         positions = []
@@ -221,30 +248,34 @@ class PagedLlama(nn.Module):
         for length, new in zip(batch.seq_lens, batch.slots):
             positions += range(length - len(new), length)
             query_start_loc.append(len(positions))
-        # slot = block * block_size + offset (vLLM's slot_mapping); a list of ints makes int64 tensors
-        flat_slots = [slot for sequence_slots in batch.slots for slot in sequence_slots]
-        slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
-        width = max(map(len, batch.block_tables))
-        tables = padded_tables(batch.block_tables, width, device)           # [B, max_blocks]
         tokens = [token for new in batch.token_ids for token in new]  # type: ignore[union-attr]
-        return Step(
-            tokens=torch.tensor(tokens, device=device),
-            positions=torch.tensor(positions, device=device),
-            blocks=slot_mapping // block_size,
-            offsets=slot_mapping % block_size,
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            block_tables=tables,
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
-            attention=attention,
-        )
+        shared = dict(tokens=torch.tensor(tokens, device=device),
+                      positions=torch.tensor(positions, device=device),
+                      query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+                      seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
+                      attention=attention)
+        steps = []
+        group_slots = batch.group_slots or [batch.slots]
+        for slots, tables in zip(group_slots, batch.group_tables or [batch.block_tables]):
+            # slot = block * block_size + offset (vLLM's slot_mapping); a list of ints makes int64 tensors
+            flat_slots = [slot for sequence_slots in slots for slot in sequence_slots]
+            slot_mapping = torch.tensor(flat_slots, device=device)              # [T]
+            width = max(map(len, tables))
+            steps.append(Step(blocks=slot_mapping // block_size, offsets=slot_mapping % block_size,
+                              block_tables=padded_tables(tables, width, device),  # [B, max_blocks]
+                              **shared))
+        return steps
 
-    def _forward(self, step: Step, cache: PagedKVCache) -> torch.Tensor:
-        """Run every layer on ``step``'s tokens; ``[B, vocab]`` logits after each sequence's last token."""
+    def _forward(self, steps: list[Step], cache: PagedKVCache) -> torch.Tensor:
+        """Run every layer on the step's tokens, each through its KV-cache group's ``Step``; ``[B, vocab]``
+        logits after each sequence's last token."""
         shape = self.shape
+        step = steps[0]
+        group_of = cache.group_of if len(steps) > 1 else [0] * shape.num_layers  # layer -> its group
         x = self.embed_tokens(step.tokens)                                 # [T, hidden]
         # cos, sin: [T, head_dim] each
         rope = rope_cos_sin(step.positions, shape.head_dim, shape.rope_theta, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, step, cache)
+        for layer, group in zip(self.layers, group_of):
+            x = layer(x, rope, steps[group], cache)
         last = step.query_start_loc[1:].long() - 1                         # [B]
         return self.lm_head(self.norm(x[last]))                            # [B, vocab]

@@ -1,5 +1,6 @@
-"""``from_hf`` accepts exactly what ``PagedLlama`` computes: Llama, and Mistral without a sliding window, each
-proven token-equal to ``transformers``' ``generate`` here; every other family, a bare decoder without its
+"""``from_hf`` accepts exactly what ``PagedLlama`` computes: Llama, Mistral (its one sliding window on every
+layer) and Ministral (sliding and full layers, ``layer_types``), each proven token-equal to ``transformers``'
+``generate`` here; every other family, a bare decoder without its
 head, a config field it does not implement, float64 weights and (for the Triton kernel) a head size the
 kernel cannot take are refused when the model or engine is built, with a ``ValueError`` naming them.
 
@@ -44,9 +45,29 @@ def test_other_families_are_refused_naming_the_model_type(family):
             load(hf)
 
 
-def test_mistral_with_a_sliding_window_is_refused():
-    with pytest.raises(ValueError, match="sliding_window=None only, the config has 4"):
-        PagedLlama.from_hf(hf_model("Mistral", sliding_window=4))
+@pytest.mark.parametrize("override, message", [
+    (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types must list one of"),
+    (dict(layer_types=["sliding_attention"]), "for each of the 2 layers"),
+    (dict(layer_types="full_attention"), "layer_types must list"),
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=0), "sliding_window must be"),
+    (dict(layer_types=["full_attention", "sliding_attention"], sliding_window=2.5), "sliding_window must be"),
+])
+def test_layer_kinds_and_windows_it_cannot_run_are_refused(override, message):
+    config = hf_model("Ministral", head_dim=8, layer_types=["sliding_attention", "full_attention"],
+                      sliding_window=4).config.to_dict()       # a dict: transformers' config refuses some
+    with pytest.raises(ValueError, match=message):
+        LlamaShape.from_hf({**config, **override})
+
+
+def test_a_window_reaches_the_layers_that_slide():
+    ministral = hf_model("Ministral", head_dim=8, layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=5)
+    shape = PagedLlama.from_hf(ministral).shape
+    assert [shape.window(layer) for layer in range(2)] == [5, None]
+    assert [group.layers for group in shape.kv_groups] == [(0,), (1,)]
+    mistral = PagedLlama.from_hf(hf_model("Mistral", sliding_window=4)).shape   # one window, every layer
+    assert [mistral.window(layer) for layer in range(2)] == [4, 4]
+    assert LlamaShape.from_hf(hf_model("Mistral", sliding_window=None).config).layer_types is None
 
 
 @pytest.mark.parametrize("override, field", [

@@ -18,6 +18,9 @@ from helpers import hf_greedy, tiny_llama
 import pagedlib  # noqa: F401  (before transformers: pagedlib picks Triton's mode first)
 from pagedlib.engine import Engine
 from pagedlib.teach.train_tiny import (
+    HYBRID_DIR,
+    HYBRID_LAYERS,
+    HYBRID_WINDOW,
     TINY_DIR,
     CharTokenizer,
     TrainConfig,
@@ -25,6 +28,8 @@ from pagedlib.teach.train_tiny import (
     corpus,
     load_tiny,
     load_tiny_hf,
+    load_tiny_hybrid,
+    load_tiny_hybrid_hf,
     save,
 )
 from pagedlib.teach.train_tiny import _loss as loss_on
@@ -118,3 +123,53 @@ def test_load_tiny_takes_a_str_path(tiny):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), tiny[0].state_dict().values()))
     with pytest.raises(FileNotFoundError, match="no tiny model"):
         load_tiny_hf(str(TINY_DIR / "missing"))
+
+
+# -------------------------------------------------------------------------------------------------------
+# the hybrid sibling (notebook 15): sliding-window and full layers in turn
+
+
+def test_the_hybrid_sibling_says_how_it_was_made_and_which_layers_slide():
+    record = json.loads((HYBRID_DIR / "training.json").read_text())
+    assert record["command"] == "nice -n 10 python -m pagedlib.teach.train_tiny --hybrid"
+    hybrid = TrainConfig(num_layers=len(HYBRID_LAYERS), layer_types=HYBRID_LAYERS,
+                         sliding_window=HYBRID_WINDOW)
+    assert record["config"] == config_record(hybrid)
+    hf, tok = load_tiny_hybrid_hf()
+    assert type(hf).__name__ == "MinistralForCausalLM"
+    assert hf.config.layer_types == list(HYBRID_LAYERS) and hf.config.sliding_window == HYBRID_WINDOW
+    assert hf.config.architectures == ["MistralForCausalLM"]       # the class vLLM serves it with
+    model, _ = load_tiny_hybrid()
+    assert [model.shape.window(layer) for layer in range(4)] == [HYBRID_WINDOW, None, HYBRID_WINDOW, None]
+    data = torch.tensor(tok.encode(corpus()))
+    held_out = data[int(len(data) * 0.95):]
+    with torch.no_grad():
+        loss = loss_on(hf, held_out, torch.tensor([0, 1000, 5000, 9000]), 128)
+    assert loss.item() < 0.5 * math.log(len(tok))
+    with pytest.raises(FileNotFoundError, match="--hybrid"):
+        load_tiny_hybrid_hf(TINY_DIR / "missing")
+
+
+HYBRID_PROMPTS = ["The return statement leaves the current function call with the expression list ",
+                  'The "for" statement is used to iterate over the elements of a sequence (such as a string',
+                  "import "]
+
+
+@pytest.mark.parametrize("attention", ["torch", "cpu"])
+@pytest.mark.parametrize("hybrid_kv_cache", [True, False])
+def test_hybrid_sibling_generates_what_transformers_generates(attention, hybrid_kv_cache):
+    """Prompts longer than the 48-token window and one shorter, 60 new tokens: the window layers read only
+    their last 48 tokens, with their own tables (blocks given back) or one table for every layer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_tiny_hybrid()
+        hf, _ = load_tiny_hybrid_hf()
+        prompts = [tok.encode(text) for text in HYBRID_PROMPTS]
+        engine = Engine(model, num_blocks=64, block_size=16, attention=attention,
+                        hybrid_kv_cache=hybrid_kv_cache)
+        got = engine.generate(prompts, 60)
+        for prompt, tokens in zip(prompts, got):
+            assert tokens == hf_greedy(hf, prompt, 60)[0]
+    finally:
+        torch.set_num_threads(threads)

@@ -2,9 +2,9 @@
 shows readable text. ``nice -n 10 python -m pagedlib.teach.train_tiny`` (seeded, one thread) writes it, and
 ``training.json`` (the run), to ``pagedlib/data/tiny_char_llama/``; tests and notebooks only load them.
 
-``--hybrid`` trains its sibling for notebook 15 (``pagedlib/data/tiny_char_hybrid/``): four layers, sliding-window
-and full attention in turn, as a transformers ``MinistralForCausalLM`` (Llama's weights plus a config's
-``layer_types`` and ``sliding_window``, the two fields vLLM's Llama/Mistral path reads too)."""
+``--hybrid`` trains its sibling for notebook 15 (``pagedlib/data/tiny_char_hybrid/``): four layers,
+sliding-window and full attention in turn, as a transformers ``MinistralForCausalLM`` (Llama's weights plus
+a config's ``layer_types`` and ``sliding_window``, the two fields vLLM's Llama/Mistral path reads too)."""
 
 from __future__ import annotations
 
@@ -199,6 +199,13 @@ def load_tiny_hybrid_hf(path: Path | str = HYBRID_DIR) -> tuple[Any, CharTokeniz
 def load_tiny(path: Path | str = TINY_DIR, device: str = "cpu") -> tuple[PagedLlama, CharTokenizer]:
     """The committed tiny model as a ``PagedLlama`` (float32) and its tokenizer."""
     hf, tok = load_tiny_hf(path)
+    return PagedLlama.from_hf(hf, device=device), tok
+
+
+def load_tiny_hybrid(path: Path | str = HYBRID_DIR,
+                     device: str = "cpu") -> tuple[PagedLlama, CharTokenizer]:
+    """The committed hybrid sibling as a ``PagedLlama`` (float32; sliding and full layers), its tokenizer."""
+    hf, tok = load_tiny_hybrid_hf(path)
     return PagedLlama.from_hf(hf, device=device), tok
 
 
