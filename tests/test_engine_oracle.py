@@ -3,8 +3,8 @@ pool size.
 
 Features: whole prompts (``plain``), prefix caching with block hashes (``hash``) and with the radix tree
 (``radix``), chunked prefill under a token budget (``chunked``, and with each prefix cache), an fp8 KV cache
-(``fp8``), tied embeddings (``tied``), Mistral, and a Llama whose ``head_dim`` is set apart from its hidden
-size. Attention: the torch path, the Triton kernel (in the interpreter on a CPU) and the fused CPU
+(``fp8``), tied embeddings (``tied``), Mistral, a Llama whose ``head_dim`` is set apart from its hidden
+size, and a hybrid model whose first layer sees a sliding window of 6 tokens (``hybrid-*``, notebook 15). Attention: the torch path, the Triton kernel (in the interpreter on a CPU) and the fused CPU
 kernel. Pool: ``roomy`` holds every request at once; in ``tight`` the longest request barely fits
 alone, so requests are preempted and recomputed (prefix caching: they find their own blocks again).
 
@@ -60,6 +60,8 @@ FEATURES = {
     "tied": ("tied", {}),
     "mistral": ("mistral", {}),
     "head-dim": ("head-dim", {}),
+    # notebook 15: a sliding-window layer and a full one, with one table for both (the windows mask only)
+    "hybrid-one-table": ("hybrid", {"hybrid_kv_cache": False}),
 }
 # name -> block size; roomy: 256 blocks, tight: as many as the longest request needs
 POOLS = {"roomy": 16, "tight": 4}
@@ -80,6 +82,9 @@ def hf(name: str):
     if name == "mistral":
         return tiny_hf_model("Mistral", seed=1, sliding_window=None,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if name == "hybrid":  # a window of 6: inside one block of 16, across two of 4
+        return tiny_hf_model("Ministral", seed=4, head_dim=16, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention"])
     return tiny_hf_model("Llama", seed=2, head_dim=32)  # not hidden_size / heads = 16
 
 
