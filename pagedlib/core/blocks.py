@@ -288,6 +288,26 @@ class BlockManager:
                 table[index] = NULL_BLOCK
             self.release(freed)
 
+    def num_new_blocks(self, seq_id: Hashable, count: int) -> int:
+        """Blocks ``count`` more tokens of ``seq_id`` take, every group together (no copy-on-write counted:
+        the scheduler never forks)."""
+        blocks = ceil_div(self.seq_lens[seq_id] + count, self.block_size)
+        return sum(blocks - len(tables[seq_id]) for tables in self.group_tables)
+
+    def num_given_back(self, seq_id: Hashable) -> int:
+        """Blocks that ``give_back`` would free now for ``seq_id`` (held by it alone): they count as free
+        for its next reservation, as vLLM frees them before it counts the blocks it needs."""
+        computed = self.seq_lens[seq_id]
+        freed = 0
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = self.group_tables[group][seq_id]
+            for index in range(min(max(0, computed - window + 1) // self.block_size, len(table))):
+                block = table[index]
+                freed += block != NULL_BLOCK and self.ref_counts[block] == 1
+        return freed
+
     def _grow(self, group: int, seq_id: Hashable, count: int, copy_last: bool, new_blocks: Iterator[int],
               record: Reservation) -> list[int]:
         """Grow the table of ``seq_id`` in ``group`` for ``count`` more tokens (blocks from ``new_blocks``),
