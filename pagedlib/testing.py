@@ -14,6 +14,7 @@ import torch
 
 from pagedlib.core.blocks import BlockManager, InvariantError
 from pagedlib.core.cache import PagedKVCache
+from pagedlib.core.groups import NULL_BLOCK
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
 
@@ -22,22 +23,44 @@ __all__ = ["InvariantError", "block_holders", "block_owners", "check_hash_cache"
 
 # what state_diff compares: the attributes of a PagedKVCache
 STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
+# and, for a cache of several KV-cache groups or a window group (notebook 15), the manager's
+GROUP_STATE = ("group_tables", "computed")
+
+
+def group_tables(manager: Any) -> list[dict[Hashable, list[int]]]:
+    """Each KV-cache group's tables (a manager without groups, such as a reader's: its ``tables``)."""
+    return getattr(manager, "group_tables", [manager.tables])
 
 
 def holders(manager: Any) -> list[list[tuple[Hashable, int]]]:
     """``holders[b]``: (sequence, logical index) of every table entry of the ``BlockManager`` naming block
-    ``b``."""
+    ``b`` (all in one KV-cache group's tables: a block belongs to one group at a time)."""
+    return [[(seq_id, index) for _, seq_id, index in entries] for entries in _holders(manager)]
+
+
+def _holders(manager: Any) -> list[list[tuple[int, Hashable, int]]]:
+    """``holders`` with each entry's group first: (group, sequence, logical index); a window group's
+    ``NULL_BLOCK`` entries (given back) name no block (anywhere else it is an invalid block id)."""
+    windows = getattr(manager, "windows", (None,))
     seq_ids = manager.tables.keys()
     if seq_ids != manager.seq_lens.keys() or seq_ids != manager.token_ids.keys():
         raise InvariantError("tables, seq_lens and token_ids hold different sequence ids")
-    found: list[list[tuple[Hashable, int]]] = [[] for _ in range(manager.num_blocks)]
-    for seq_id, table in manager.tables.items():
-        for index, block in enumerate(table):
-            _check_block_id(block, manager.num_blocks, f"sequence {seq_id!r}")
-            if found[block] and found[block][-1][0] == seq_id:
-                where = f"the table of sequence {seq_id!r}"
-                raise InvariantError(f"1: block {block} appears twice in {where}")
-            found[block].append((seq_id, index))
+    found: list[list[tuple[int, Hashable, int]]] = [[] for _ in range(manager.num_blocks)]
+    for group, tables in enumerate(group_tables(manager)):
+        if tables.keys() != seq_ids:
+            raise InvariantError(f"group {group}'s tables and group 0's hold different sequence ids")
+        for seq_id, table in tables.items():
+            for index, block in enumerate(table):
+                if block == NULL_BLOCK and windows[group] is not None:
+                    continue
+                _check_block_id(block, manager.num_blocks, f"sequence {seq_id!r}")
+                if found[block] and found[block][-1][:2] == (group, seq_id):
+                    where = f"the table of sequence {seq_id!r}"
+                    raise InvariantError(f"1: block {block} appears twice in {where}")
+                if found[block] and found[block][-1][0] != group:
+                    raise InvariantError(f"1: block {block} is held in groups {found[block][-1][0]} and "
+                                         f"{group} (a block belongs to one group at a time)")
+                found[block].append((group, seq_id, index))
     return found
 
 
@@ -56,12 +79,14 @@ def check_invariants(cache: PagedKVCache | BlockManager) -> None:
             raise InvariantError(f"1: block {block} has reference count {count} but "
                                  f"{len(names)} tables hold it ({names})")
     _check_free(manager, held_by)
-    for seq_id, length in manager.seq_lens.items():
-        held = len(manager.tables[seq_id])
-        want = ceil_div(length, block_size)
-        if held != want:
-            raise InvariantError(f"4: sequence {seq_id!r} of length {length} holds {held} "
-                                 f"blocks, expected ceil({length}/{block_size}) = {want}")
+    for group, tables in enumerate(group_tables(manager)):
+        in_group = f" in group {group}" if group else ""
+        for seq_id, length in manager.seq_lens.items():
+            held = len(tables[seq_id])
+            want = ceil_div(length, block_size)
+            if held != want:
+                raise InvariantError(f"4: sequence {seq_id!r} of length {length} holds {held} "
+                                     f"blocks{in_group}, expected ceil({length}/{block_size}) = {want}")
     for block, entries in enumerate(held_by):
         fills = {(index, min(block_size, manager.seq_lens[seq_id] - index * block_size))
                  for seq_id, index in entries}
@@ -70,6 +95,30 @@ def check_invariants(cache: PagedKVCache | BlockManager) -> None:
                                  f"{entries} (index, fill)")
     if manager.prefix_cache is not None:
         _check_prefix_cache(manager)
+    _check_windows(manager)
+
+
+def _check_windows(manager: Any) -> None:
+    """Invariant 7 (notebook 15): a sliding-window group's table of a sequence gives back exactly the blocks
+    wholly before the window of the token after those it held when its last reservation began
+    (``computed``, vLLM's ``num_computed_tokens`` at ``allocate_slots``): its first ``skipped //
+    block_size`` entries are ``NULL_BLOCK``, ``skipped = max(0, computed - window + 1)``, and no other
+    entry is (the blocks its window may still read)."""
+    windows = getattr(manager, "windows", (None,))
+    for group, window in enumerate(windows):
+        if window is None:
+            continue
+        for seq_id, table in manager.group_tables[group].items():
+            computed = manager.computed[seq_id]
+            if computed > manager.seq_lens[seq_id]:
+                raise InvariantError(f"7: sequence {seq_id!r} computed {computed} tokens of "
+                                     f"{manager.seq_lens[seq_id]}")
+            skipped = max(0, computed - window + 1)
+            gone = min(skipped // manager.block_size, len(table))
+            want = [block == NULL_BLOCK for block in table]
+            if want != [index < gone for index in range(len(table))]:
+                raise InvariantError(f"7: sequence {seq_id!r}'s table {table} in group {group} (window "
+                                     f"{window}) should give back its first {gone} blocks, no others")
 
 
 def _check_free(manager: Any, held_by: list[list[tuple[Hashable, int]]]) -> None:
@@ -238,8 +287,12 @@ def block_owners(cache: Any) -> list[Hashable | None]:
 def state_diff(after: Any, before: Any) -> list[str]:
     """Names of the attributes in which the ``PagedKVCache`` ``after`` differs from ``before`` (a
     ``copy.deepcopy``), pools bit for bit with NaN equal to NaN: ``[]`` means a failed call changed
-    nothing."""
-    return [name for name in STATE if not _same(getattr(after, name), getattr(before, name))]
+    nothing. With KV-cache groups, ``group_tables`` and ``computed`` too."""
+    names = [name for name in STATE if not _same(getattr(after, name), getattr(before, name))]
+    if getattr(getattr(after, "manager", None), "windows", (None,)) != (None,):
+        names += [name for name in GROUP_STATE
+                  if getattr(after.manager, name) != getattr(before.manager, name)]
+    return names
 
 
 def _same(now: object, before: object) -> bool:
@@ -261,7 +314,8 @@ def fill_unused(cache: Any, value: float = float("nan")) -> None:
     """Write ``value`` into every slot of a ``PagedKVCache`` that holds no token (cached free blocks keep
     their content): attention must ignore those slots, and NaN there makes a test prove it."""
     block_size = cache.block_size
-    used = [slot for seq_id in cache.tables for slot in cache.manager.slots(seq_id)]
+    used = [slot for group in range(len(group_tables(cache.manager))) for seq_id in cache.tables
+            for slot in cache.manager.slots(seq_id, group) if slot != NULL_BLOCK]
     if cache.prefix_cache is not None:  # cached blocks nobody holds
         for block in cache.prefix_cache.free_queue:
             used += range(block * block_size, (block + 1) * block_size)

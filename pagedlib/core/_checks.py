@@ -10,6 +10,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from pagedlib.core.groups import FULL, SLIDING, KVGroup
 from pagedlib.util import as_int, refuse
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the formats an fp8 cache stores (core/fp8.py)
@@ -282,3 +283,34 @@ def check_fp8_input(x: object, scale: object, dtype: torch.dtype | None = None) 
     if isinstance(scale, torch.Tensor):
         raise ValueError(f"a per-head scale needs x of shape [..., kv_heads, head_dim], got {list(x.shape)}")
     return scale
+
+
+def groups(groups: object, num_layers: int, prefix: bool) -> tuple | None:
+    """A cache's KV-cache ``groups``: ``None``, or ``KVGroup``s (kind ``full_attention`` with no window, or
+    ``sliding_attention`` with a window >= 1) whose layers cover ``range(num_layers)``, each layer once; one
+    group only with prefix caching (not supported across groups yet)."""
+    if groups is None:
+        return None
+    if isinstance(groups, (str, bytes, KVGroup)) or not isinstance(groups, Sequence) or not groups:
+        raise ValueError(f"groups must be None or a non-empty sequence of KVGroup, got {groups!r}")
+    seen: list[int] = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, KVGroup):
+            raise ValueError(f"groups[{g}] must be a KVGroup, got {type(group).__name__}")
+        if group.kind == FULL and group.window is not None:
+            raise ValueError(f"groups[{g}] is full attention and must have window None, got {group.window!r}")
+        if group.kind == SLIDING:
+            as_int(f"groups[{g}].window", group.window, minimum=1)
+        elif group.kind != FULL:
+            raise ValueError(f"groups[{g}].kind must be {FULL!r} or {SLIDING!r}, got {group.kind!r}")
+        if not group.layers:
+            raise ValueError(f"groups[{g}] must hold at least one layer")
+        seen += [as_int(f"groups[{g}].layers[{i}]", layer, minimum=0, maximum=num_layers - 1)
+                 for i, layer in enumerate(group.layers)]
+    if sorted(seen) != list(range(num_layers)):
+        raise ValueError(f"groups must hold every layer of num_layers={num_layers} exactly once, got layers "
+                         f"{sorted(seen)}")
+    if prefix and len(groups) > 1:
+        raise ValueError(f"enable_prefix_caching with several KV-cache groups (groups: {len(groups)}) is "
+                         f"not supported yet")
+    return tuple(groups)

@@ -22,6 +22,9 @@ def scheduler(cache: object, max_num_seqs: object, budget: object, threshold: ob
             f"connector must be a KVConnector or None, got {type(connector).__name__}"))
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    refuse((connector is not None and cache.manager.windows != (None,),
+            f"connector with KV-cache groups {[str(group) for group in cache.groups]} is not supported yet "
+            f"(one full-attention group only)"))
     if cache.seq_lens:
         raise ValueError(f"cache must be empty: it holds sequences {list(cache.seq_lens)[:8]}")
     fraction = isinstance(watermark, numbers.Real) and not isinstance(watermark, bool)

@@ -4,15 +4,22 @@ reference counts, block tables, copy-on-write and the prefix-cache hooks. It tru
 
 Its plain path is three calls: ``allocate`` blocks off the free stack, ``reserve`` slots for new tokens
 (growing the tables), ``free_sequence``. A reservation is a record that can be undone (``undo``) until the
-K/V it reserved for are written (``commit``): the engine undoes a step whose forward pass raised."""
+K/V it reserved for are written (``commit``): the engine undoes a step whose forward pass raised.
+
+A hybrid model's layers form several KV-cache groups (``core/groups.py``, notebook 15): one free stack and one
+reference count per block serve them all (a block belongs to one group at a time), and each group keeps a
+table per sequence, ``group_tables[g][seq_id]``. A sliding-window group's reservation first gives back the
+blocks wholly before the window (their entries become ``NULL_BLOCK``), as vLLM 0.32.0's ``allocate_slots``
+calls ``remove_skipped_blocks`` before it allocates."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pagedlib.core._checks import InvariantError, OutOfBlocksError, what_for  # noqa: F401 (re-exported)
+from pagedlib.core.groups import NULL_BLOCK, KVGroup
 from pagedlib.core.prefix_cache import BlockKey, PrefixCache
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
@@ -23,13 +30,18 @@ class Reservation:
     """What one ``reserve`` did: the new slots and the block copies they need, and how to undo it."""
 
     slots: list[list[int]] = field(default_factory=list)       # each sequence's new slots, token by token
+    # per group g, each sequence's new slots (entry 0 is ``slots``)
+    group_slots: list[list[list[int]]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) blocks: copy-on-write
     registered: list[int] = field(default_factory=list)        # blocks made findable, K/V not yet written
     # to undo it
     taken: list[int] = field(default_factory=list)             # blocks allocated, each held once
-    # each sequence changed: (seq_id, start, table[start:], length) before the call; a reserve changes a
+    # each table changed: (group, seq_id, start, table[start:], length) before the call; a reserve grows a
     # table from its last block on only (start: that block's index), so no copy of the whole table is kept
-    sequences: list[tuple[Hashable, int, list[int], int]] = field(default_factory=list)
+    sequences: list[tuple[int, Hashable, int, list[int], int]] = field(default_factory=list)
+    # (group, seq_id, index, block): a window group's entries given back (now NULL_BLOCK), one hold each
+    skipped: list[tuple[int, Hashable, int, int]] = field(default_factory=list)
+    computed: list[tuple[Hashable, int]] = field(default_factory=list)  # (seq_id, its ``computed`` before)
     released: list[int] = field(default_factory=list)          # shared blocks copied away: one hold each
     # (seq_id, index, duplicate, tree block): the radix tree holds this content already; its block, held
     # from now on, replaces the duplicate once the duplicate's K/V are written (commit)
@@ -38,19 +50,33 @@ class Reservation:
 
 class BlockManager:
     """Free stack, reference counts and block tables of ``num_blocks`` blocks of ``block_size`` tokens;
-    ``free_order`` lists the blocks handed out first, in order (the others follow in ascending order)."""
+    ``free_order`` lists the blocks handed out first, in order (the others follow in ascending order).
+    ``groups``: the KV-cache groups, each with a table per sequence (``None``: one full-attention group);
+    ``tables`` is group 0's. Prefix caching serves one group only, so far."""
 
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
-                 enable_prefix_caching: bool = False, prefix_cache: str = "hash") -> None:
+                 enable_prefix_caching: bool = False, prefix_cache: str = "hash",
+                 groups: Sequence[KVGroup] | None = None) -> None:
+        # the window each group sees, in tokens (None: full attention)
+        self.windows: tuple[int | None, ...] = (None,)
+        if groups is not None:
+            self.windows = tuple(group.window for group in groups)
+        if enable_prefix_caching and len(self.windows) > 1:
+            raise ValueError(f"enable_prefix_caching with several KV-cache groups (groups: "
+                             f"{len(self.windows)}) is not supported yet")
         listed = set(free_order)
         unlisted = [block for block in reversed(range(num_blocks)) if block not in listed]
         # the top of the stack is the end of the list
         self.free = unlisted + list(reversed(free_order))
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
-        self.tables: dict[Hashable, list[int]] = {}
+        self.ref_counts = [0] * num_blocks  # holders across every group's tables
+        self.group_tables: list[dict[Hashable, list[int]]] = [{} for _ in self.windows]
+        self.tables = self.group_tables[0]
         self.seq_lens: dict[Hashable, int] = {}
+        # tokens each sequence held when its last reservation began (vLLM's num_computed_tokens at
+        # allocate_slots): a window group holds no block wholly before the window of that position
+        self.computed: dict[Hashable, int] = {}
         self.token_ids: dict[Hashable, list[int]] = {}  # filled only with prefix caching
         self.prefix_cache: PrefixCache | RadixCache | None = None
         if enable_prefix_caching and prefix_cache == "radix":
@@ -110,8 +136,8 @@ class BlockManager:
     def share(self, blocks: Sequence[int]) -> None:
         """One more table holds each of ``blocks`` (a fork, a prefix-cache hit)."""
         for block in blocks:
-            if self.ref_counts[block] == 0:  # a cached block found while free leaves the queue
-                self.prefix_cache.free_queue.pop(block, None)  # type: ignore[union-attr]
+            if self.ref_counts[block] == 0 and self.prefix_cache is not None:  # a cached block found
+                self.prefix_cache.free_queue.pop(block, None)  # while free leaves the queue
             self.ref_counts[block] += 1
 
     def release(self, blocks: Sequence[int]) -> list[int]:
@@ -142,7 +168,10 @@ class BlockManager:
         self.share(found)
         length = len(found) * self.block_size
         self.tables[seq_id] = found
+        for tables in self.group_tables[1:]:  # several groups: no prefix cache, nothing found
+            tables[seq_id] = []
         self.seq_lens[seq_id] = length
+        self.computed[seq_id] = length
         self.token_ids[seq_id] = list(prompt[:length])  # empty without prefix caching
         return length
 
@@ -172,72 +201,131 @@ class BlockManager:
         return [(source, copy)]
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """A new sequence sharing every block of ``parent_id``: nothing is copied until one of them writes."""
-        self.share(self.tables[parent_id])
-        self.tables[child_id] = list(self.tables[parent_id])
+        """A new sequence sharing every block of ``parent_id`` in every group (given-back entries stay
+        ``NULL_BLOCK``): nothing is copied until one of them writes."""
+        for tables in self.group_tables:
+            self.share(held(tables[parent_id]))
+            tables[child_id] = list(tables[parent_id])
         self.seq_lens[child_id] = self.seq_lens[parent_id]
+        self.computed[child_id] = self.computed[parent_id]
         self.token_ids[child_id] = list(self.token_ids[parent_id])
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
-        """Forget a sequence. Returns the blocks nobody holds any more, in table order."""
+        """Forget a sequence. Returns the blocks nobody holds any more, in table order, group after group."""
         del self.seq_lens[seq_id]
         del self.token_ids[seq_id]
-        return self.release(self.tables.pop(seq_id))
+        del self.computed[seq_id]
+        freed = []
+        for tables in self.group_tables:
+            freed += self.release(held(tables.pop(seq_id)))
+        return freed
 
     def reserve(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
                 token_ids: Sequence[int] | None = None) -> Reservation:
         """Take slots for ``counts[i]`` more tokens of each ``seq_ids[i]``, all or nothing (if anything
-        raises, ``KeyboardInterrupt`` included, nothing changed). A sequence's table then reads
+        raises, ``KeyboardInterrupt`` included, nothing changed). A sequence's table then reads, in each
+        group,
 
-            | held (full blocks) | last (copied if shared) | new blocks |
+            | given back (window groups: NULL_BLOCK) | held (full blocks) | last (copied if shared) | new |
 
-        and token ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``. With prefix
-        caching the blocks the new tokens fill become findable at once by their ``token_ids``, as vLLM 0.32.0
-        registers a block when it schedules it: the caller writes their K/V (after making the ``copies``)
-        before anything reads them, then ``commit``s, or ``undo``es the reservation."""
+        and token ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``. First each
+        window group of a sequence that grows gives back its blocks wholly before the window of the next
+        token (``give_back``), so those count as free. With prefix caching the blocks the new tokens fill
+        become findable at once by their ``token_ids``, as vLLM 0.32.0 registers a block when it schedules it:
+        the caller writes their K/V (after making the ``copies``) before anything reads them, then
+        ``commit``s, or ``undo``es the reservation."""
         record = Reservation()
-        copy = self.copy_on_write(seq_ids, counts)
-        needed = sum(copy)
-        for seq_id, count in zip(seq_ids, counts):
-            needed += ceil_div(self.seq_lens[seq_id] + count, self.block_size) - len(self.tables[seq_id])
         try:
+            for seq_id, count in zip(seq_ids, counts):
+                if count > 0:  # vLLM gives back only for a request it schedules
+                    self.give_back(seq_id, record)
+            plans = [self.copy_on_write(seq_ids, counts, group) for group in range(len(self.windows))]
+            needed = 0
+            for tables, copy in zip(self.group_tables, plans):
+                needed += sum(copy)
+                for seq_id, count in zip(seq_ids, counts):
+                    needed += ceil_div(self.seq_lens[seq_id] + count, self.block_size) - len(tables[seq_id])
             # OutOfBlocksError before anything is taken
             self.allocate(needed, what_for(seq_ids, counts), record.taken)
             new_blocks = iter(record.taken)
+            for group, copy in enumerate(plans):
+                record.group_slots.append([self._grow(group, seq_id, count, copy_last, new_blocks, record)
+                                           for seq_id, count, copy_last in zip(seq_ids, counts, copy)])
+            record.slots = record.group_slots[0]
             first = 0  # where this sequence's token ids start in ``token_ids``
-            for seq_id, count, copy_last in zip(seq_ids, counts, copy):
-                ids = None
+            for seq_id, count in zip(seq_ids, counts):
+                length = self.seq_lens[seq_id]
+                self.seq_lens[seq_id] = length + count
                 if self.prefix_cache is not None:  # then token ids come with every append
-                    ids = token_ids[first:first + count]  # type: ignore[index]
+                    self.token_ids[seq_id] += token_ids[first:first + count]  # type: ignore[index]
                     first += count
-                record.slots.append(self._grow(seq_id, count, copy_last, ids, new_blocks, record))
+                    self._register(seq_id, length, record)
         except BaseException:
             self.undo(record)
             raise
         return record
 
-    def _grow(self, seq_id: Hashable, count: int, copy_last: bool, ids: Sequence[int] | None,
-              new_blocks: Sequence[int], record: Reservation) -> list[int]:
-        """Append ``count`` tokens to one sequence (blocks from ``new_blocks``), noting each change in
-        ``record``; register the blocks they fill. Returns the new tokens' slots."""
+    def give_back(self, seq_id: Hashable, record: Reservation) -> None:
+        """Each window group of ``seq_id`` gives back the blocks wholly before the window of its next token
+        (position ``seq_lens[seq_id]``): their entries become ``NULL_BLOCK``, noted in ``record``. vLLM
+        0.32.0's ``SlidingWindowManager.get_num_skipped_tokens`` (``max(0, computed - window + 1)`` tokens
+        skipped) and ``remove_skipped_blocks`` (``skipped // block_size`` leading blocks, walked from the
+        last one back to the first entry already null, freed in that order)."""
+        computed = self.seq_lens[seq_id]
+        record.computed.append((seq_id, self.computed[seq_id]))
+        self.computed[seq_id] = computed
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = self.group_tables[group][seq_id]
+            skipped = max(0, computed - window + 1)  # tokens the next token's window no longer sees
+            freed = []
+            for index in range(min(skipped // self.block_size, len(table)) - 1, -1, -1):
+                if table[index] == NULL_BLOCK:
+                    break
+                freed.append(table[index])
+                record.skipped.append((group, seq_id, index, table[index]))
+                table[index] = NULL_BLOCK
+            self.release(freed)
+
+    def num_new_blocks(self, seq_id: Hashable, count: int) -> int:
+        """Blocks ``count`` more tokens of ``seq_id`` take, every group together (no copy-on-write counted:
+        the scheduler never forks)."""
+        blocks = ceil_div(self.seq_lens[seq_id] + count, self.block_size)
+        return sum(blocks - len(tables[seq_id]) for tables in self.group_tables)
+
+    def num_given_back(self, seq_id: Hashable) -> int:
+        """Blocks that ``give_back`` would free now for ``seq_id`` (held by it alone): they count as free
+        for its next reservation, as vLLM frees them before it counts the blocks it needs."""
+        computed = self.seq_lens[seq_id]
+        freed = 0
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = self.group_tables[group][seq_id]
+            for index in range(min(max(0, computed - window + 1) // self.block_size, len(table))):
+                block = table[index]
+                freed += block != NULL_BLOCK and self.ref_counts[block] == 1
+        return freed
+
+    def _grow(self, group: int, seq_id: Hashable, count: int, copy_last: bool, new_blocks: Iterator[int],
+              record: Reservation) -> list[int]:
+        """Grow the table of ``seq_id`` in ``group`` for ``count`` more tokens (blocks from ``new_blocks``),
+        noting each change in ``record``. Returns the new tokens' slots in that group."""
         block_size = self.block_size
-        table = self.tables[seq_id]
+        table = self.group_tables[group][seq_id]
         length = self.seq_lens[seq_id]
         start = max(len(table) - 1, 0)
-        record.sequences.append((seq_id, start, table[start:], length))
+        record.sequences.append((group, seq_id, start, table[start:], length))
         if copy_last:  # the other holders keep the shared last block; this sequence writes a copy
             shared = table[-1]
-            table[-1] = next(new_blocks)  # type: ignore[call-overload]
+            table[-1] = next(new_blocks)
             record.copies.append((shared, table[-1]))
             record.released.append(shared)
             self.release([shared])
             self.cow_copies += 1
         while len(table) < ceil_div(length + count, block_size):
-            table.append(next(new_blocks))  # type: ignore[call-overload]
-        self.seq_lens[seq_id] = length + count
-        if ids is not None:
-            self.token_ids[seq_id] += ids
-            self._register(seq_id, length, record)
+            table.append(next(new_blocks))
         return [table[p // block_size] * block_size + p % block_size for p in range(length, length + count)]
 
     def _register(self, seq_id: Hashable, length: int, record: Reservation) -> None:
@@ -273,8 +361,8 @@ class BlockManager:
         evicted to make room come back as plain free blocks."""
         self.release([found for _, _, _, found in record.swaps])
         record.swaps.clear()
-        for seq_id, start, tail, length in reversed(record.sequences):
-            self.tables[seq_id][start:] = tail
+        for group, seq_id, start, tail, length in reversed(record.sequences):
+            self.group_tables[group][seq_id][start:] = tail
             self.seq_lens[seq_id] = length
             del self.token_ids[seq_id][length:]
             if self.prefix_cache is not None and length % self.block_size:
@@ -287,9 +375,16 @@ class BlockManager:
         self.free.extend(reversed(record.taken))  # as they were: taken[0] on top
         self.hold_again(record.released)
         self.cow_copies -= len(record.released)
+        for group, seq_id, index, block in reversed(record.skipped):  # after the tails: they may hold NULL
+            self.group_tables[group][seq_id][index] = block
+            self.hold_again([block])
+        for seq_id, computed in reversed(record.computed):
+            self.computed[seq_id] = computed
         record.sequences.clear()
         record.taken.clear()
         record.released.clear()
+        record.skipped.clear()
+        record.computed.clear()
 
     def hold_again(self, blocks: Sequence[int]) -> None:
         """One hold more on each of ``blocks``, wherever it went since it was released (still held, on the
@@ -299,26 +394,33 @@ class BlockManager:
                 self.free.remove(block)
             self.share([block])
 
-    def copy_on_write(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> list[bool]:
-        """Which sequences must copy their last block before appending: it is partly filled and another table
-        holds it. Of several sharers appending at once, the last one writes in place."""
+    def copy_on_write(self, seq_ids: Sequence[Hashable], counts: Sequence[int], group: int = 0) -> list[bool]:
+        """Which sequences must copy their last block in ``group`` before appending: it is partly filled and
+        another table holds it. Of several sharers appending at once, the last one writes in place."""
+        tables = self.group_tables[group]
         plan = []
         copied: Counter[int] = Counter()  # block -> sharers that copy it away in this call
         for seq_id, count in zip(seq_ids, counts):
             must_copy = False
             # it writes into a partly filled last block
             if count > 0 and self.seq_lens[seq_id] % self.block_size > 0:
-                last = self.tables[seq_id][-1]
+                last = tables[seq_id][-1]
                 must_copy = self.ref_counts[last] - copied[last] > 1
                 if must_copy:
                     copied[last] += 1
             plan.append(must_copy)
         return plan
 
-    def slots(self, seq_id: Hashable) -> list[int]:
-        """Flat slot ids of every token of ``seq_id``, in order."""
+    def slots(self, seq_id: Hashable, group: int = 0) -> list[int]:
+        """Flat slot ids of every token of ``seq_id`` in ``group``, in order (``NULL_BLOCK`` for a token
+        whose block the group gave back)."""
         block_size = self.block_size
-        every = [block * block_size + offset
-                 for block in self.tables[seq_id]
+        every = [NULL_BLOCK if block == NULL_BLOCK else block * block_size + offset
+                 for block in self.group_tables[group][seq_id]
                  for offset in range(block_size)]
         return every[:self.seq_lens[seq_id]]
+
+
+def held(table: Sequence[int]) -> list[int]:
+    """The blocks a table holds: its entries but the given-back ones (``NULL_BLOCK``)."""
+    return [block for block in table if block != NULL_BLOCK]

@@ -1,7 +1,11 @@
 """The KV pool: K and V ``[num_blocks, num_layers, block_size, kv_heads, head_dim]``, so one block table
 serves every layer. A token's place is its slot id ``block * block_size + offset`` (vLLM's
 ``slot_mapping``); ``write`` puts new K/V there as vLLM's ``reshape_and_cache`` does, one indexed write per
-pool. The pool knows nothing of sequences: the ``BlockManager`` says which slots to use."""
+pool. The pool knows nothing of sequences: the ``BlockManager`` says which slots to use.
+
+With several KV-cache groups (notebook 15) the second dimension is ``layers_per_group``: a block belongs to
+one group at a time and holds its layers, layer ``i`` of the group at index ``i`` (a smaller group leaves
+the last indices unused). One group of every layer is notebook 02's layout exactly."""
 
 from __future__ import annotations
 
@@ -35,19 +39,21 @@ class KVPool:
             return k, v
         return quantize(k, self.k_scale, self.k.dtype), quantize(v, self.v_scale, self.v.dtype)
 
-    def rows(self, slots: list[int]) -> torch.Tensor:
-        """int64 ``[num_layers * n]`` rows of ``slots``, layer-major, in the pool flattened to
-        ``[-1, H, D]``: (layer ``l``, slot) is row ``(block * num_layers + l) * block_size + offset``."""
+    def rows(self, slots: list[int], layers: int | None = None) -> torch.Tensor:
+        """int64 ``[layers * n]`` rows of ``slots`` in a block's first ``layers`` layers (``None``: all),
+        layer-major, in the pool flattened to ``[-1, H, D]``: (layer ``l``, slot) is row
+        ``(block * num_layers + l) * block_size + offset``."""
         block_size = self.block_size
         rows_per_block = self.num_layers * block_size
         first = [slot // block_size * rows_per_block + slot % block_size for slot in slots]
         first_rows = torch.tensor(first, dtype=torch.long, device=self.device)   # [n]: layer 0
-        return (first_rows + self.layer_rows).view(-1)  # [L, 1] + [n] -> [L, n]
+        return (first_rows + self.layer_rows[:layers]).view(-1)  # [L, 1] + [n] -> [L, n]
 
     def write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write token ``i`` of ``k``, ``v`` (``[num_layers, n, kv_heads, head_dim]``) into slot
-        ``slots[i]`` of every layer: one ``index_copy_`` per pool."""
-        rows = self.rows(slots)
+        """Write token ``i`` of ``k``, ``v`` (``[layers, n, kv_heads, head_dim]``, ``layers`` at most
+        ``num_layers``: a block's first ones) into slot ``slots[i]`` of each layer: one ``index_copy_`` per
+        pool."""
+        rows = self.rows(slots, k.shape[0])
         k, v = self.encode(k.detach(), v.detach())
         for pool, new in ((self.k, k), (self.v, v)):
             flat_pool = _bits(pool).view(self.flat)
@@ -61,10 +67,12 @@ class KVPool:
         for pool in (self.k, self.v):
             pool[pairs[:, 1]] = pool[pairs[:, 0]]  # [c, L, block_size, H, D]
 
-    def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous copies of K and V at ``slots`` as stored: ``[num_layers, n, kv_heads, head_dim]``."""
-        rows = self.rows(slots)
-        shape = (self.num_layers, len(slots), *self.flat[1:])
+    def gather(self, slots: list[int], layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies of K and V at ``slots`` in a block's first ``layers`` layers (``None``: all), as
+        stored: ``[layers, n, kv_heads, head_dim]``."""
+        layers = self.num_layers if layers is None else layers
+        rows = self.rows(slots, layers)
+        shape = (layers, len(slots), *self.flat[1:])
         k = self.k.view(self.flat).index_select(0, rows).view(shape)
         v = self.v.view(self.flat).index_select(0, rows).view(shape)
         return k, v

@@ -2,7 +2,11 @@
 vLLM V1's ``Scheduler`` and nano-vllm's. It decides what each step computes and **allocates** for it:
 blocks, slots, prefix-cache hits, all before the model runs, which only reads the plan (``StepPlan.batch``).
 With no budget (``max_num_batched_tokens=None``) a prompt runs whole in one step (notebooks 07, 08); with
-one, prompts are cut into chunks (notebook 09). One thread."""
+one, prompts are cut into chunks (notebook 09). One thread.
+
+Over a cache of several KV-cache groups (notebook 15) a request needs blocks in every group, and a sliding-
+window group fewer as its blocks leave the window: admission, growth and preemption count them per group
+as vLLM 0.32.0's ``KVCacheManager.allocate_slots`` does."""
 
 from __future__ import annotations
 
@@ -109,8 +113,26 @@ class Scheduler:
         self.cap: int | None = None  # this step's chunk cap
 
     def blocks_alone(self, request: Request) -> int:
-        """Blocks ``request`` needs to run alone: the most it ever holds."""
-        return ceil_div(request.max_kv_len, self.block_size)
+        """Blocks ``request`` needs to run alone: the most it ever holds, every group together."""
+        return self.blocks_of(request.max_kv_len, capped=True)
+
+    def blocks_of(self, num_tokens: int, capped: bool) -> int:
+        """Blocks a new sequence of ``num_tokens`` tokens takes, every group together. ``capped``: a window
+        group's at most what it can hold at once (its window, a step's tokens, a block more: vLLM 0.32.0's
+        ``SlidingWindowSpec.max_admission_blocks_per_request``, the cap of its full-sequence admission
+        test)."""
+        blocks = ceil_div(num_tokens, self.block_size)
+        step = self.max_num_batched_tokens  # the most tokens a step computes (vLLM's max_in_flight_tokens)
+        if step is None:
+            step = self.max_model_len
+        total = 0
+        for window in self.cache.manager.windows:
+            if window is not None and capped:
+                held = ceil_div(min(window - 1 + step, self.max_model_len), self.block_size) + 1
+                total += min(blocks, held)
+            else:
+                total += blocks
+        return total
 
     check = checks.new_request  # ValueError unless the request is new, fits the model and, alone, the cache
 
@@ -130,6 +152,9 @@ class Scheduler:
         preemptions stay)."""
         checks.no_open_plan(self)
         plan = StepPlan()
+        if len(self.cache.groups) > 1:
+            plan.batch.group_slots = [[] for _ in self.cache.groups]
+            plan.batch.group_tables = [[] for _ in self.cache.groups]
         self.journal = Journal()
         if self.cache.prefix_cache is not None:
             prefix_cache = self.cache.prefix_cache
@@ -178,9 +203,10 @@ class Scheduler:
         return n
 
     def blocks_for(self, request: Request, n: int) -> int:
-        """New blocks ``request`` takes to store ``n`` more tokens."""
-        held = self.cache.seq_lens[request.req_id]
-        return ceil_div(held + n, self.block_size) - ceil_div(held, self.block_size)
+        """New blocks ``request`` takes to store ``n`` more tokens, less those its window groups give back
+        first (vLLM's ``allocate_slots``: ``remove_skipped_blocks``, then ``get_num_blocks_to_allocate``)."""
+        manager = self.cache.manager
+        return manager.num_new_blocks(request.req_id, n) - manager.num_given_back(request.req_id)
 
     def allocate(self, plan: StepPlan, request: Request, n: int) -> None:
         """Reserve slots for ``n`` more tokens of ``request``: a row of the plan and of its batch. The blocks
@@ -199,6 +225,10 @@ class Scheduler:
         batch.block_tables.append(list(self.cache.tables[request.req_id]))
         batch.seq_lens.append(self.cache.seq_lens[request.req_id])
         batch.copies += record.copies
+        if batch.group_slots is not None and batch.group_tables is not None:  # several groups
+            for g, tables in enumerate(self.cache.group_tables):
+                batch.group_slots[g] += record.group_slots[g]
+                batch.group_tables[g].append(list(tables[request.req_id]))
 
     def reserve(self, request: Request, n: int, token_ids: list[int] | None) -> Reservation:
         """Reserve ``n`` tokens of ``request`` after those it holds, in the journal."""
@@ -232,10 +262,7 @@ class Scheduler:
         n = self.chunk_size(plan, request.num_tokens - found_tokens)
         if n <= 0:
             return False
-        num_tokens = found_tokens + n
-        if self.full_prompt_must_fit:  # vLLM: the whole current length, outputs of a preempted one included
-            num_tokens = max(num_tokens, min(request.num_tokens, self.max_model_len))
-        if not self.fits(request, found, num_tokens):
+        if not self.fits(request, found, found_tokens + n):
             plan.blocked = True
             return False
         self.journal.changes.append((request, request.status))
@@ -284,11 +311,16 @@ class Scheduler:
         return request.block_keys(self.block_size, (request.num_tokens - 1) // self.block_size)
 
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
-        """vLLM 0.32.0's admission test (``KVCacheManager.allocate_slots``): the blocks a sequence of
-        ``num_tokens`` takes beside the cached ``found`` (a found block nobody holds leaves the free ones when
-        attached), plus the watermark while anything runs, must be free."""
+        """vLLM 0.32.0's admission tests (``KVCacheManager.allocate_slots``): the blocks a sequence of
+        ``num_tokens`` (the first chunk) takes beside the cached ``found`` (a found block nobody holds leaves
+        the free ones when attached), plus the watermark while anything runs, must be free; and with
+        ``full_prompt_must_fit``, those of its whole current length, outputs of a preempted one included (a
+        window group's capped at what it can hold at once). Every group's blocks count."""
         revived = sum(self.cache.ref_count(block) == 0 for block in found)
-        need = ceil_div(num_tokens, self.block_size) - len(found) + revived
+        tests = [self.blocks_of(num_tokens, capped=False)]
+        if self.full_prompt_must_fit:
+            tests.append(self.blocks_of(min(request.num_tokens, self.max_model_len), capped=True))
+        need = max(tests) - len(found) + revived
         if self.running:
             need += self.watermark_blocks
         return need <= self.cache.num_free_blocks
