@@ -1,5 +1,7 @@
 """vLLM's own hybrid KV-cache manager (0.32.0), driven without a model by ``pagedlib.vllm.hybrid``: the
-numbers issue 54 and notebook 15 quote, read back from vLLM, and the invariants a table per group keeps.
+numbers issue 54 and notebook 15 quote, read back from vLLM, and the invariants a table per group keeps;
+then vLLM's CPU build serving the tiny hybrid model through the bridge: transformers' tokens, a table per
+group per step, and the same tables from the manager replaying the served schedule.
 
 A full group and a window group (window 64) over one pool of 16-token blocks. Every run goes to one child
 process (``vllm_hybrid_runs``): importing vLLM, not the runs, takes the time. The checks of bad input run
@@ -8,14 +10,30 @@ without vLLM: they are refused before any child starts.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from pagedlib.core.groups import FULL, NULL_BLOCK, SLIDING, KVGroup
+from pagedlib.core.groups import FULL, NULL_BLOCK, SLIDING, KVGroup, kv_groups
 from pagedlib.util import ceil_div
-from pagedlib.vllm.bridge import vllm_available
-from pagedlib.vllm.hybrid import Add, Allocate, Free, Preempt, vllm_hybrid_run, vllm_hybrid_runs
+from pagedlib.vllm.bridge import (
+    Arrival,
+    BridgeConfig,
+    VllmWorker,
+    differences,
+    max_model_len,
+    vllm_available,
+)
+from pagedlib.vllm.hybrid import (
+    Add,
+    Allocate,
+    Free,
+    Preempt,
+    replay_schedule,
+    vllm_hybrid_run,
+    vllm_hybrid_runs,
+)
 
 AVAILABLE, WHY = vllm_available()
 needs_vllm = pytest.mark.skipif(not AVAILABLE, reason=WHY)
@@ -221,6 +239,22 @@ def test_tables_per_group_keep_one_pool(vllm_runs, seed):
             assert held <= ceil_div(WINDOW - 1 + state.scheduled, BLOCK) + 1
 
 
+def test_differences_compare_tables_per_group_renamed_with_null_kept():
+    from pagedlib.vllm.bridge import StepRecord
+
+    def run(first, second):
+        return [StepRecord(blocks={"a": first[0]}, group_blocks={"a": first}),
+                StepRecord(blocks={"a": second[0]}, group_blocks={"a": second})]
+
+    ours = run([[0, 1], [2, 3]], [[NULL_BLOCK, 1], [2, 3]])
+    assert differences(ours, run([[7, 5], [9, 4]], [[NULL_BLOCK, 5], [9, 4]])) == []
+    # the window group gives its first block back at another step, or gives back another block
+    assert differences(ours, run([[7, 5], [9, 4]], [[7, 5], [9, 4]]))
+    assert differences(ours, run([[7, 5], [9, 4]], [[7, NULL_BLOCK], [9, 4]]))
+    # a block of the window group turns up in the full group
+    assert differences(ours, run([[7, 5], [9, 4]], [[NULL_BLOCK, 5], [9, 5]]))
+
+
 def test_bad_input_is_refused_before_vllm_runs():
     with pytest.raises(ValueError, match="block_size"):
         vllm_hybrid_run(GROUPS, [], block_size=0, num_blocks=8)
@@ -248,3 +282,108 @@ def test_bad_input_is_refused_before_vllm_runs():
 def test_a_step_that_samples_needs_its_token():
     with pytest.raises(ValueError, match=r"op 1 \(Allocate 'a'\) computes the request's last known token"):
         vllm_hybrid_run(GROUPS, [Add("a", [1, 2, 3]), Allocate("a", 3)], block_size=16, num_blocks=8)
+
+
+# ---- vLLM serving the tiny hybrid model (window 48) --------------------------------------------------------
+
+SERVED = BridgeConfig(num_blocks=48, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """The tiny hybrid model in transformers, its tokenizer and its folder."""
+    from pagedlib.teach.train_tiny import HYBRID_DIR, load_tiny_hybrid_hf
+
+    model, tok = load_tiny_hybrid_hf()
+    return model, tok, str(HYBRID_DIR)
+
+
+@pytest.fixture(scope="module")
+def served(hybrid):
+    """Workloads served by vLLM on the hybrid model, prompts longer than the window split by a 64-token
+    budget: "shared" (b shares 80 of a's tokens, d is a's prompt again once a finished) and "tight" (a pool
+    of 10 blocks: requests preempted and recomputed). Per workload: it, vLLM's records and tokens, the
+    config."""
+    from pagedlib.teach.train_tiny import corpus
+
+    _, tok, folder = hybrid
+    text, rng = corpus(), random.Random(5)
+    a, b, c = tok.encode(text[1000:1100]), tok.encode(text[9000:9040]), tok.encode(text[5000:5150])
+    workloads = {
+        "shared": (SERVED, [Arrival("a", a, 12), Arrival("c", c, 12), Arrival("b", a[:80] + b, 12, step=6),
+                            Arrival("d", list(a), 12, step=20)]),
+        "tight": (dataclasses.replace(SERVED, num_blocks=10),
+                  [Arrival(f"r{i}", [rng.randrange(VOCAB) for _ in range(40)], 60, step=i % 2)
+                   for i in range(4)]),
+    }
+    runs = {}
+    with VllmWorker() as worker:
+        for name, (config, workload) in workloads.items():
+            config = dataclasses.replace(config, model=folder)
+            runs[name] = (workload, *worker.run(config, workload), config)
+    return runs
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["shared", "tight"])
+def test_vllm_serves_the_hybrid_model_with_transformers_tokens_and_two_groups(hybrid, served, run):
+    import torch
+
+    model, _, _ = hybrid
+    workload, records, tokens, _ = served[run]
+    for arrival in workload:
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([arrival.prompt]), max_new_tokens=arrival.max_new_tokens,
+                                 do_sample=False)
+        assert tokens[arrival.name] == ref[0, len(arrival.prompt):].tolist(), arrival.name
+    for record in records:
+        assert record.group_blocks.keys() == record.blocks.keys()
+        for name, (window, full) in record.group_blocks.items():
+            assert record.blocks[name] == window                 # vLLM's group 0: layers 0 and 2, window 48
+            assert len(window) == len(full) and NULL_BLOCK not in full
+            if name in record.scheduled:        # the window before the step's first token, and the step's
+                held = sum(block != NULL_BLOCK for block in window)
+                assert held <= ceil_div(48 - 1 + record.scheduled[name], 32) + 1
+    assert any(NULL_BLOCK in window for record in records for window, _ in record.group_blocks.values())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_served_window_tables_and_hits(served):
+    workload, records, tokens, _ = served["shared"]
+    # a's window table gives back its first block once a token at 80 or later is computed (window 48)
+    assert [record.group_blocks["a"][0][0] == NULL_BLOCK for record in records[:3]] == [False, False, True]
+    # d (a's prompt again) hits 96 tokens: a's last window was kept (vLLM's retention 0); b shares 80 of
+    # a's tokens, the full group alone would serve 64, but a's window blocks over 0..63 were not kept: 0
+    hits = {name: hit for record in records for name, hit in record.hits.items()}
+    assert hits == {"a": 0, "b": 0, "c": 0, "d": 96}
+    assert sum(len(record.preempted) for record in served["tight"][1]) >= 2
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["shared", "tight"])
+def test_the_manager_replaying_the_served_schedule_holds_the_same_blocks(hybrid, served, run):
+    """vLLM's ``KVCacheManager`` driven by ``replay_schedule`` (no model) on the schedule vLLM served: the
+    same tables per group at every step, the same hits, the same free blocks."""
+    model, _, _ = hybrid
+    workload, records, tokens, config = served[run]
+    groups = kv_groups(model.config.layer_types, model.config.sliding_window, model.config.num_hidden_layers)
+    assert [group.kind for group in groups] == [SLIDING, FULL]
+    replayed = replay_schedule(groups, workload, records, tokens, block_size=config.block_size,
+                               num_blocks=config.num_blocks, max_model_len=max_model_len(config),
+                               max_num_batched_tokens=config.max_num_batched_tokens)
+    assert differences(records, replayed) == []
+
+
+def test_a_hybrid_models_requests_are_limited_by_both_groups_blocks():
+    """vLLM refuses to start unless one request of ``max_model_len`` fits: 10 blocks of 32 hold 160 tokens
+    of the hybrid model (5 full blocks, and the window group's cap of ceil((47 + 64) / 32) + 1 = 5), where
+    they hold 320 of the one-group model."""
+    from pagedlib.teach.train_tiny import HYBRID_DIR
+
+    tight = dataclasses.replace(SERVED, num_blocks=10)
+    assert max_model_len(dataclasses.replace(tight, model=str(HYBRID_DIR))) == 160
+    assert max_model_len(tight) == 320
+    assert max_model_len(dataclasses.replace(SERVED, model=str(HYBRID_DIR))) == 512   # the positions

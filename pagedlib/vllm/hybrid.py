@@ -6,6 +6,10 @@ block pool for ``groups`` (``pagedlib.core.groups.KVGroup``: a ``FullAttentionSp
 ``SlidingWindowSpec`` per window group; two groups or more give vLLM's ``HybridKVCacheCoordinator``),
 replays ``ops`` (``Add``, ``Allocate``, ``Preempt``, ``Free``) and returns, after each op, a ``HybridState``:
 every live request's table in every group, the prefix-cache hit found on admission, and the free blocks.
+``replay_schedule`` turns a run's schedule (``bridge.StepRecord`` s, from ``Engine`` or from vLLM) into ops
+and returns the manager's own ``StepRecord`` s for it, which ``bridge.differences`` compares with the run's:
+vLLM's tables for the engine's schedule, with no model in vLLM. Replaying what vLLM itself served on the tiny
+hybrid model gives back its blocks step for step (``tests/test_vllm_hybrid.py``).
 
 The manager runs in a child process (``python -m pagedlib.vllm.hybrid``, through ``pagedlib.child``):
 importing ``vllm.v1.core.kv_cache_manager`` takes seconds, loads some 3,500 modules, sets
@@ -61,7 +65,7 @@ from typing import Any
 from pagedlib.child import ChildError, run_child, serve
 from pagedlib.core.groups import FULL, LAYER_KINDS, NULL_BLOCK, SLIDING, KVGroup
 from pagedlib.util import as_int, refuse
-from pagedlib.vllm.bridge import vllm_available
+from pagedlib.vllm.bridge import Arrival, StepRecord, vllm_available
 
 CHILD_MODULE = "pagedlib.vllm.hybrid"    # the child (``python -m``): this file
 CHILD_ENV = {
@@ -166,6 +170,66 @@ def vllm_hybrid_runs(runs: Sequence[dict[str, Any]], timeout: float = 300.0) -> 
         raise RuntimeError(f"the vLLM child answered {len(answer)} runs for {len(jobs)}, or a run with "
                            f"another count of states than its ops")
     return [[HybridState(**state) for state in run] for run in answer]
+
+
+def schedule_ops(workload: Sequence[Arrival], records: Sequence[StepRecord],
+                 tokens: dict[str, list[int]]) -> tuple[list[Op], list[int]]:
+    """The ops that replay a run's schedule (``records``, from either engine, and the ``tokens`` each request
+    generated) on the manager, and after each step the number of ops it ends at. Per step: the arrivals
+    (``Add``), the preemptions (``Preempt``: vLLM preempts inside its loop, when a running request's
+    allocation fails), one ``Allocate`` per request in the order of ``record.scheduled`` (vLLM's: running
+    requests, then admitted ones) with the tokens it computed as budget, then ``Free`` for the finished."""
+    pending = sorted(workload, key=lambda arrival: arrival.step)
+    known = {arrival.name: len(arrival.prompt) for arrival in workload}      # tokens each request holds
+    computed: dict[str, int] = {}
+    ops: list[Op] = []
+    ends = []
+    for step, record in enumerate(records):
+        while pending and pending[0].step <= step:
+            arrival = pending.pop(0)
+            ops.append(Add(arrival.name, list(arrival.prompt)))
+        for name in record.preempted:
+            ops.append(Preempt(name))
+            computed[name] = 0
+        for name, n in record.scheduled.items():
+            computed[name] = record.hits.get(name, computed.get(name, 0)) + n
+            token = None
+            if computed[name] == known[name]:          # the step samples the request's next token
+                token = tokens[name][known[name] - len(_prompt(workload, name))]
+                known[name] += 1
+            ops.append(Allocate(name, n, token))
+        ops += [Free(name) for name in record.finished]
+        ends.append(len(ops))
+    return ops, ends
+
+
+def _prompt(workload: Sequence[Arrival], name: str) -> list[int]:
+    return next(arrival.prompt for arrival in workload if arrival.name == name)
+
+
+def replay_schedule(groups: Sequence[KVGroup], workload: Sequence[Arrival], records: Sequence[StepRecord],
+                    tokens: dict[str, list[int]], **settings: Any) -> list[StepRecord]:
+    """vLLM's manager stepped through a run's schedule (``schedule_ops``): per step a ``StepRecord`` with
+    its requests' tables per group (``group_blocks``; ``blocks`` is group 0's), the hits it found, and its
+    free blocks; ``scheduled``, ``preempted`` and ``finished`` copied from ``records``. ``bridge.differences``
+    compares it with ``records``. ``settings``: ``vllm_hybrid_run``'s (``block_size`` and ``num_blocks``
+    at least)."""
+    ops, ends = schedule_ops(workload, records, tokens)
+    states = vllm_hybrid_run(groups, ops, **settings)
+    out = []
+    start = 0
+    for record, end in zip(records, ends):
+        hits = {op.name: state.hit for op, state in zip(ops[start:end], states[start:end])
+                if isinstance(op, Allocate) and state.hit is not None and state.allocated}
+        last = states[end - 1] if end else HybridState()
+        held = {name: tables for name, tables in last.tables.items() if any(tables)}
+        out.append(StepRecord(scheduled=dict(record.scheduled), hits=hits,
+                              blocks={name: tables[0] for name, tables in held.items()},
+                              group_blocks=held if len(groups) > 1 else {}, free_blocks=last.free_blocks,
+                              cached_free_blocks=last.cached_free_blocks, preempted=list(record.preempted),
+                              finished=list(record.finished)))
+        start = end
+    return out
 
 
 def _job(number: int, groups: Sequence[KVGroup], ops: Sequence[Op], block_size: int, num_blocks: int,
