@@ -3,7 +3,8 @@
 The same requests go through pagedlib's ``Engine`` and through vLLM's V1 engine built with the same pool
 (blocks, block size), token budget, prefix caching and ``max_num_seqs``; both are stepped, and each step
 becomes a ``StepRecord``: per request the tokens it computed, the prompt tokens the prefix cache found,
-the blocks it holds, and the free blocks, preemptions and finished requests. vLLM runs in a worker process
+the blocks it holds (a table per KV-cache group for a hybrid model, notebook 15), and the free blocks,
+preemptions and finished requests. vLLM runs in a worker process
 of its own (``python -m pagedlib.vllm.bridge``, started and guarded by ``pagedlib.child``: one JSON line per
 job, each answer naming its job, a timeout per job): its CPU backend binds OpenMP threads and lowers torch's
 thread count in the process that builds it.
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedlib.child import Child, ChildError, run_child, serve
-from pagedlib.util import as_int, refuse
+from pagedlib.core.groups import NULL_BLOCK, kv_groups
+from pagedlib.util import as_int, ceil_div, refuse
 
 VLLM_VERSION = "0.32.0"        # the version the lock pins: the notebook's map and the tests assume it
 TINY_MODEL = Path(__file__).parent.parent / "data" / "tiny_char_llama"   # pagedlib/data
@@ -39,6 +41,9 @@ class StepRecord:
     scheduled: dict[str, int] = field(default_factory=dict)        # request -> new tokens computed
     hits: dict[str, int] = field(default_factory=dict)             # request -> prompt tokens found cached
     blocks: dict[str, list[int]] = field(default_factory=dict)     # request -> block ids held after it
+    # a model of several KV-cache groups (notebook 15): request -> its table in each group, NULL_BLOCK (-1)
+    # for a block given back (``blocks`` is group 0's); empty for a model of one group
+    group_blocks: dict[str, list[list[int]]] = field(default_factory=dict)
     free_blocks: int = 0                                            # free (cached but unused included)
     cached_free_blocks: int = 0                                     # of those, findable by a lookup
     preempted: list[str] = field(default_factory=list)
@@ -212,10 +217,13 @@ def check_arrivals(workload: Sequence[Arrival]) -> None:
 def engine_record(engine: Any, output: Any, names: dict[int, str]) -> StepRecord:
     """The ``StepRecord`` of the step ``engine`` just ran, from its ``StepOutput`` and its cache."""
     cache = engine.cache
+    groups = getattr(cache, "group_tables", ())          # a cache of several groups: a table per group
     return StepRecord(
         scheduled={names[req_id]: n for req_id, n in output.scheduled.items()},
         hits={names[req_id]: n for req_id, n in output.hits.items()},
         blocks={names[seq_id]: list(cache.tables[seq_id]) for seq_id in cache.seq_lens},
+        group_blocks=({names[seq_id]: [list(tables[seq_id]) for tables in groups]
+                       for seq_id in cache.seq_lens} if len(groups) > 1 else {}),
         free_blocks=cache.num_free_blocks,
         cached_free_blocks=cache.num_cached_free_blocks,
         preempted=sorted(names[req_id] for req_id in output.preempted),
@@ -265,13 +273,24 @@ def kv_transfer_config(config: BridgeConfig) -> Any:
 
 
 def max_model_len(config: BridgeConfig) -> int:
-    """vLLM's ``max_model_len`` for ``config``: the pool's tokens, at most the model's positions (vLLM wants
-    blocks for a whole request of that length)."""
-    return min(config.num_blocks * config.block_size, _max_positions(config.model))
+    """vLLM's ``max_model_len`` for ``config``: the longest request whose blocks fit in the pool (vLLM checks
+    at startup that one does), at most the model's positions. One group: the pool's tokens. A hybrid model's
+    groups share the pool: a full group holds a block per ``block_size`` tokens, a window group at most
+    vLLM's admission cap, ``ceil(min(window - 1 + budget, length) / block_size) + 1`` blocks
+    (``SlidingWindowSpec.max_admission_blocks_per_request``, ``vllm/v1/kv_cache_interface.py`` 859-885)."""
+    model = json.loads((Path(config.model) / "config.json").read_text())
+    groups = kv_groups(model.get("layer_types"), model.get("sliding_window"), model["num_hidden_layers"])
+    size = config.block_size
 
+    def blocks(length: int) -> int:
+        return sum(ceil_div(length, size) if group.window is None
+                   else ceil_div(min(group.window - 1 + config.max_num_batched_tokens, length), size) + 1
+                   for group in groups)
 
-def _max_positions(model: str) -> int:
-    return json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+    length = min(config.num_blocks * size, model["max_position_embeddings"])
+    while length > 0 and blocks(length) > config.num_blocks:
+        length -= 1
+    return length
 
 
 def _params(max_new_tokens: int) -> Any:
@@ -313,14 +332,19 @@ def run_vllm(llm: Any, workload: Sequence[Arrival]) -> tuple[list[StepRecord], d
 
 def vllm_record(scheduler: Any, plans: list[Any], outputs: list[Any]) -> StepRecord:
     """The ``StepRecord`` of vLLM's last step, from its ``SchedulerOutput`` (``plans``), the scheduler's
-    running requests and ``KVCacheManager``, and the step's ``RequestOutput`` list."""
+    running requests and ``KVCacheManager``, and the step's ``RequestOutput`` list. vLLM's null block (its
+    block 0, in a window group's table for a block given back) is recorded as ``NULL_BLOCK``."""
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
     cached = sum(block.block_hash is not None for block in pool.free_block_queue.get_all_free_blocks())
     record = StepRecord(free_blocks=pool.get_num_free_blocks(), cached_free_blocks=cached)
     record.finished = sorted(o.request_id for o in outputs if o.finished)
-    record.blocks = {_external(r.request_id): list(manager.get_block_ids(r.request_id)[0])
-                     for r in scheduler.running}
+    tables = {_external(r.request_id): [[NULL_BLOCK if block.is_null else block.block_id for block in group]
+                                        for group in manager.get_blocks(r.request_id).blocks]
+              for r in scheduler.running}
+    record.blocks = {name: groups[0] for name, groups in tables.items()}
+    if manager.num_kv_cache_groups > 1:
+        record.group_blocks = tables
     for plan in plans:
         record.scheduled = {_external(r): n for r, n in plan.num_scheduled_tokens.items()}
         record.hits = {_external(new.req_id): new.num_computed_tokens for new in plan.scheduled_new_reqs}
@@ -523,20 +547,26 @@ class VllmWorker:
 
 def canonical(records: Sequence[StepRecord]) -> list[StepRecord]:
     """``records`` with block ids renamed 0, 1, 2... in order of first appearance over the whole run (requests
-    by name within a step): the engines number their blocks differently, but which block each request holds,
-    keeps, shares or gets back after an eviction must agree from step to step."""
-    rename: dict[int, int] = {}
+    by name within a step, each one's tables group by group; ``NULL_BLOCK`` stays): the engines number their
+    blocks differently, but which block each request holds, keeps, shares or gets back after an eviction must
+    agree from step to step."""
+    rename: dict[int, int] = {NULL_BLOCK: NULL_BLOCK}
+
+    def renamed(table: list[int]) -> list[int]:
+        for block in table:
+            rename.setdefault(block, len(rename) - 1)
+        return [rename[block] for block in table]
+
     out = []
     for record in records:
         if not isinstance(record, StepRecord):
             raise TypeError(f"records must be StepRecord objects, got {type(record).__name__}")
-        blocks = {}
-        for name in sorted(record.blocks):
-            for block in record.blocks[name]:
-                rename.setdefault(block, len(rename))
-            blocks[name] = [rename[block] for block in record.blocks[name]]
-        out.append(StepRecord(dict(record.scheduled), dict(record.hits), blocks, record.free_blocks,
-                              record.cached_free_blocks, sorted(record.preempted), sorted(record.finished)))
+        group_blocks = {name: [renamed(table) for table in record.group_blocks[name]]
+                        for name in sorted(record.group_blocks)}
+        blocks = {name: renamed(record.blocks[name]) for name in sorted(record.blocks)}
+        out.append(StepRecord(dict(record.scheduled), dict(record.hits), blocks, group_blocks,
+                              record.free_blocks, record.cached_free_blocks, sorted(record.preempted),
+                              sorted(record.finished)))
     return out
 
 
