@@ -113,6 +113,7 @@ def _check_tables(q, tables, lens, num_blocks: int, block_size: int, window: int
     column = torch.arange(max_blocks, device=lens.device)                            # [max_blocks]
     used = column < blocks_used                                                      # [batch, max_blocks]
     bad_entry = used & ((tables < 0) | (tables >= num_blocks))                       # [batch, max_blocks]
+    first_key = None
     if window is not None:  # blocks before the first new token's window may have been given back
         first_key = (lens - _new_tokens(new_tokens, lens) - window + 1).clamp(min=0)  # [batch]
         skipped = column < (first_key // block_size)[:, None]                        # [batch, max_blocks]
@@ -124,6 +125,13 @@ def _check_tables(q, tables, lens, num_blocks: int, block_size: int, window: int
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} must be between 1 and the block table's capacity "
                          f"max_blocks * block_size = {max_blocks} * {block_size} = {max_blocks * block_size}")
     b, j = bad_entry.nonzero()[0].tolist()
+    _refuse_entry(tables, lens, b, j, num_blocks, block_size, window, first_key)
+
+
+def _refuse_entry(tables, lens, b: int, j: int, num_blocks: int, block_size: int, window: int | None,
+                  first_key: torch.Tensor | None) -> None:
+    """Raise for ``block_tables[b, j]``, an entry sequence ``b`` needs that names no block of the pool
+    (``first_key`` ``[batch]``: with a window, the first position each sequence's first new token sees)."""
     last = min(int(lens[b]), (j + 1) * block_size) - 1
     what = ""
     if window is not None:

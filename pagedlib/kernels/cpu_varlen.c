@@ -169,8 +169,7 @@ INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D,
         kvh[r] = h < 0 ? x.head / c->group : 0;          /* its head among the fetched ones */
     }
     int last = context + row_of(c, h, r1 - 1).token;    /* the last row's position: keys 0..last */
-    int j0 = first_block(c, context + row_of(c, h, r0).token, W);
-    for (int j = j0; j <= last / bs; j++) {              /* the table walk, one block at a time */
+    for (int j = first_block(c, context + row_of(c, h, r0).token, W); j <= last / bs; j++) {  /* the walk */
         int n = last + 1 - j * bs < bs ? last + 1 - j * bs : bs;
         const float *kb, *vb; int64_t st[4];
         if (fetch_block(c, b, j, h, n, D, kbuf, vbuf, &kb, &vb, st)) return 1;
@@ -178,13 +177,10 @@ INLINE int attend_rows(const Call *c, int b, int h, int r0, int r1, const int D,
             int see = pos[r] + 1 - j * bs;                    /* causal: this row's keys in the block */
             if (see <= 0) continue;
             see = see < n ? see : n;
-            int from = 0;                                     /* window: its first key in the block */
-            if (W) {
-                from = pos[r] + 1 - c->window - j * bs;
-                from = from > 0 ? from : 0;
-                if (from >= see) continue;
-                see -= from;                                  /* the keys it sees, from key `from` on */
-            }
+            int from = W ? pos[r] + 1 - c->window - j * bs : 0;  /* window: its first key in the block */
+            from = from > 0 ? from : 0;
+            if (W && from >= see) continue;
+            see -= from;                                      /* the keys it sees, from key `from` on */
             const float *qr = qs[r], *kp = kb + kvh[r] * st[1] + from * st[0];
             const float *vp = vb + kvh[r] * st[3] + from * st[2];
             int64_t ks = st[0];

@@ -68,9 +68,9 @@ def _paged_decode_kernel(
     k_scale = tl.load(k_scale_ptr + kv_head)  # used if SCALED
     v_scale = tl.load(v_scale_ptr + kv_head)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, 0, qk_scale,  # state; queries (q_pos 0: not read)
-                                  start, end, table_ptr + seq * stride_tb, stride_tn,  # keys; table
+                                  start, end, 0, table_ptr + seq * stride_tb, stride_tn,  # keys; table
                                   k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,  # K; V
-                                  dim_ok, k_scale, v_scale, 0, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
+                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
                                   CAUSAL=False, WINDOWED=False)
     # write: the final output, or this split's partial state for the merge kernel
     o_offs = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :] * stride_od
@@ -88,21 +88,22 @@ def _paged_decode_kernel(
 def _attend_tiles(
     acc, l_i, m_i,  # the online-softmax state of q's rows: weighted sum of V, running sum, running max
     q, q_pos, qk_scale,  # [rows, HEAD_DIM_P] queries, their positions (read if CAUSAL), scale * log2(e)
-    start, end,  # the keys to fold in: positions start .. end - 1 of the sequence
+    start, end, window,  # the keys to fold in: positions start .. end - 1; a sliding window (if WINDOWED)
     table_ptr, stride_tn,  # the sequence's block table
     k_cols, stride_kb, stride_ks,  # K of this KV head ([1, HEAD_DIM_P] pointers at slot 0), block, slot
     v_cols, stride_vb, stride_vs,  # V, the same
     dim_ok, k_scale, v_scale,  # [HEAD_DIM_P] False past head_dim; an fp8 cache's scales (if SCALED)
-    window,  # a sliding window (read if WINDOWED)
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,  # tokens per cache block; keys per loop step
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,  # as the kernels' own
     CAUSAL: tl.constexpr,  # row r sees keys up to q_pos[r] (the varlen kernel); else every key (decode)
-    WINDOWED: tl.constexpr,  # (CAUSAL) row r sees only keys after q_pos[r] - window, too
+    WINDOWED: tl.constexpr,  # (CAUSAL) and only keys after q_pos[r] - window: from the first row's on
 ):
     # the inner loop both kernels share, whatever their grid: one program's rows (a GQA group of one token
     # for decode; BLOCK_Q tokens x the group for varlen) fold the keys in, a tile of TILE at a time
     if DOT_FP32:
         q = q.to(tl.float32)
+    if WINDOWED:  # no row sees a key before the first row's window: the walk starts there
+        start = tl.maximum(start, tl.min(q_pos, 0) - window + 1)
     for tile_start in range(start, end, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [TILE] key positions in the sequence
         valid = pos < end  # masks the ragged last tile (and everything past seq_len)

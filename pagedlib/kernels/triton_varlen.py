@@ -28,8 +28,7 @@ def _varlen_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb, stride_tn,
-    stride_ot, stride_oh, stride_od,
+    stride_tb, stride_tn, stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,  # query heads per KV head; rounded up to a power of two
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,  # head_dim; rounded up to a power of two (>= 16)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -38,7 +37,7 @@ def _varlen_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the interpreter multiplies bf16 bits wrongly)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32 rounding)
     SCALED: tl.constexpr = False,  # K/V are fp8: multiply by the scales after loading
-    WINDOWED: tl.constexpr = False,  # a row at p sees keys p - window < k <= p only
+    WINDOWED: tl.constexpr = False,  # a sliding window: a row at p sees keys p - window < k <= p only
 ):
     # grid: which query block of the flat batch, which KV head; first, whose tokens the block holds
     q_block = tl.program_id(0)
@@ -68,21 +67,16 @@ def _varlen_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
     end = tl.minimum(seq_len, context + local + BLOCK_Q)
-    start = 0
-    if WINDOWED:  # the first key the first row's window holds: the rows after it see none before it
-        start = tl.maximum(context + local - window + 1, 0)
     k_cols = k_ptr + kv_head * stride_kh + dims[None, :] * stride_kd  # [1, HEAD_DIM_P]: this head, slot 0
     v_cols = v_ptr + kv_head * stride_vh + dims[None, :] * stride_vd
     k_scale = tl.load(k_scale_ptr + kv_head)  # used if SCALED
     v_scale = tl.load(v_scale_ptr + kv_head)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale,  # state; queries
-                                  start, end, table_ptr + seq * stride_tb, stride_tn,  # keys; table
+                                  0, end, window, table_ptr + seq * stride_tb, stride_tn,  # keys; table
                                   k_cols, stride_kb, stride_ks, v_cols, stride_vb, stride_vs,  # K; V
-                                  dim_ok, k_scale, v_scale, window, BLOCK_SIZE, TILE, DOT_FP32, PRECISION,
-                                  SCALED, CAUSAL=True, WINDOWED=WINDOWED)
-
-    if WINDOWED:  # a padding row past the new tokens may see no key at all: 1, not 0, to divide by
-        l_i = tl.where(row_ok, l_i, 1.0)
+                                  dim_ok, k_scale, v_scale, BLOCK_SIZE, TILE, DOT_FP32, PRECISION, SCALED,
+                                  CAUSAL=True, WINDOWED=WINDOWED)
+    l_i = tl.where(row_ok, l_i, 1.0) if WINDOWED else l_i  # a padding row may have seen no key: not 0 / 0
     o_offs = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])

@@ -134,23 +134,31 @@ def plan_piece(tables: list[list[int]], lens: list[int], starts: list[int], seqs
     if min(counts) != max(counts):
         scatter = (long([i for i, m in enumerate(counts) for _ in range(m)]),
                    long([j for m in counts for j in range(m)]))
-    # query j of sequence b sits at position lens[b] - new[b] + j, key i of its copy at skip + i; the query
-    # sees the keys up to it (and, with a window, after its position - window); whole prompts of one length
-    # are SDPA's own causal case (which skips the masked half of the work)
-    mask = None
-    if min(counts) != n or (window is not None and window < n):
-        q_pos = long([[span - m + j for j in range(max(counts))] for span, m in zip(spans, counts)])  # [c, m]
-        keys = torch.arange(n, device=device)                                 # [n] positions in the copies
-        mask = keys <= q_pos[:, :, None]                                      # [c, m, n]
-        if window is not None:
-            mask &= keys > q_pos[:, :, None] - window
-        mask = mask[:, None]                                                  # [c, 1, m, n]
+    mask = piece_mask(spans, counts, n, window, device)
     rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]                  # its rows of q
     if rows == list(range(rows[0], rows[-1] + 1)):
         rows = slice(rows[0], rows[-1] + 1)
     else:
         rows = long(rows)
     return Piece(rows, long(blocks), long(unused), len(seqs), n, scatter, mask)
+
+
+def piece_mask(spans: list[int], counts: list[int], n: int, window: int | None,
+               device: torch.device) -> torch.Tensor | None:
+    """bool ``[c, 1, m, n]``: which key ``i`` of each sequence's copy (of ``spans`` tokens, ``n`` the
+    longest) each of its ``counts`` new tokens sees; ``None`` for SDPA's own causal case (whole prompts of
+    one length, no window that cuts: it skips the masked half of the work)."""
+    if min(counts) == n and (window is None or window >= n):
+        return None
+    # query j of a sequence of m new tokens sits at index span - m + j of its copy; it sees the keys up to
+    # it and, with a window, those after its index - window
+    q_pos = torch.tensor([[span - m + j for j in range(max(counts))] for span, m in zip(spans, counts)],
+                         device=device)                                       # [c, m]
+    keys = torch.arange(n, device=device)                                     # [n]
+    mask = keys <= q_pos[:, :, None]                                          # [c, m, n]
+    if window is not None:
+        mask &= keys > q_pos[:, :, None] - window
+    return mask[:, None]                                                      # [c, 1, m, n]
 
 
 def attend_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[Piece],
