@@ -216,15 +216,16 @@ def check_prompt(engine: Any, name: str, prompt: Any, max_new_tokens: object) ->
 def check_fits(engine: Any, name: str, request: Any) -> None:
     """Refuse ``request`` if ``engine``'s pool could never hold its K/V at their peak (``Request.max_kv_len``:
     the prompt and every new token but the last), running alone (the watermark holds only while another
-    request runs)."""
+    request runs): ``Scheduler.blocks_alone``, every KV-cache group's blocks together."""
     num_blocks = engine.cache.num_blocks
-    block_size = engine.cache.block_size
-    room = num_blocks * block_size
-    if request.max_kv_len > room:
+    need = engine.scheduler.blocks_alone(request)
+    if need > num_blocks:
+        groups = len(engine.cache.groups)
+        tables = f" in {groups} KV-cache groups' tables" if groups > 1 else ""
         raise ValueError(f"{name} ({request.prompt_len} tokens) with max_new_tokens={request.output_len} "
                          f"needs {request.max_kv_len} token slots (the prompt and every new "
-                         f"token but the last), more than the pool of {num_blocks} "
-                         f"blocks x {block_size} = {room} can ever hold")
+                         f"token but the last), {need} blocks of {engine.cache.block_size}{tables}, more "
+                         f"than the pool of {num_blocks} blocks can ever hold")
 
 
 def check_idle(engine: Any) -> None:

@@ -271,7 +271,7 @@ class PagedLlama(nn.Module):
         logits after each sequence's last token."""
         shape = self.shape
         step = steps[0]
-        group_of = cache.group_of if len(steps) > 1 else [0] * shape.num_layers  # layer -> its group
+        group_of = [cache.layer_place[layer][0] for layer in range(shape.num_layers)]  # layer -> its group
         x = self.embed_tokens(step.tokens)                                 # [T, hidden]
         # cos, sin: [T, head_dim] each
         rope = rope_cos_sin(step.positions, shape.head_dim, shape.rope_theta, x.dtype)

@@ -45,7 +45,7 @@ def test_generate_in_a_small_pool_with_one_new_token_and_a_progress_bar(ref, mod
     (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens must be >= 1"),
     (dict(prompts=[[1]], max_new_tokens=2.0), "max_new_tokens must be an int"),
     (dict(prompts=[[1]] * 3 + [list(range(62))]), r"prompts\[3\] \(62 tokens\) .* needs 65 token slots"),
-    (dict(prompts=[list(range(40))], max_new_tokens=26), "more than the pool of 4 blocks x 16 = 64"),
+    (dict(prompts=[list(range(40))], max_new_tokens=26), "5 blocks of 16, more than the pool of 4 blocks"),
 ])
 def test_bad_input_is_rejected_before_any_work(model, kwargs, match):
     engine = Engine(model, num_blocks=4, block_size=16)                  # 64 token slots
@@ -268,7 +268,7 @@ def test_a_lone_request_may_fill_the_pool_and_the_watermark_holds_only_while_oth
     than 5 blocks free."""
     engine = Engine(model, num_blocks=100, block_size=1, watermark=0.05)
     assert engine.config.watermark_blocks == 5
-    with pytest.raises(ValueError, match=r"101 token slots .* pool of 100 blocks x 1 = 100"):
+    with pytest.raises(ValueError, match=r"101 token slots .* 101 blocks of 1, more than the pool of 100"):
         engine.generate([list(range(101))], 1)
     assert len(engine.generate([list(range(100))], 1)[0]) == 1
     assert_idle(engine)
