@@ -52,8 +52,10 @@ before the prompt's last block boundary (its "replay boundary", ``num_prompt_tok
 before a shared-prefix junction the lookup found (``SlidingWindowManager.reachable_block_mask``). ``None``
 (``KVCacheConfig``'s own default) caches every full block, as a full group does. The hybrid hit is the
 longest prefix every group serves (``HybridKVCacheCoordinator.find_longest_cache_hit``), so under ``0`` a
-prompt that shares a long prefix with a cached one but diverges before that one's last window hits 0 tokens
-in every group (the trap of vLLM issue #45238, there with Mamba checkpoints).
+prompt that leaves a cached one before that one's kept window hits 0 tokens, though its full group alone
+would serve the shared blocks (the trap of vLLM issue #45238, there with Mamba checkpoints). The lookup
+pins that shared prefix (``shared_prefix_boundary``), so the prompt's own window there is kept and a third
+prompt sharing it hits.
 """
 
 from __future__ import annotations
@@ -176,9 +178,10 @@ def schedule_ops(workload: Sequence[Arrival], records: Sequence[StepRecord],
                  tokens: dict[str, list[int]]) -> tuple[list[Op], list[int]]:
     """The ops that replay a run's schedule (``records``, from either engine, and the ``tokens`` each request
     generated) on the manager, and after each step the number of ops it ends at. Per step: the arrivals
-    (``Add``), the preemptions (``Preempt``: vLLM preempts inside its loop, when a running request's
-    allocation fails), one ``Allocate`` per request in the order of ``record.scheduled`` (vLLM's: running
-    requests, then admitted ones) with the tokens it computed as budget, then ``Free`` for the finished."""
+    (``Add``); the preemptions (``Preempt``: first, where vLLM preempts inside its loop, once a running
+    request's allocation fails, so freed blocks may queue in another order); one ``Allocate`` per request in
+    the order of ``record.scheduled`` (vLLM's: running requests, then admitted ones), the tokens it computed
+    as its budget; ``Free`` for the finished."""
     pending = sorted(workload, key=lambda arrival: arrival.step)
     known = {arrival.name: len(arrival.prompt) for arrival in workload}      # tokens each request holds
     computed: dict[str, int] = {}
