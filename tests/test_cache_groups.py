@@ -18,7 +18,7 @@ from pagedlib.core.blocks import BlockManager
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.groups import FULL, NULL_BLOCK, SLIDING, KVGroup, kv_groups
 from pagedlib.core.kv_pool import KVPool
-from pagedlib.testing import InvariantError, check_invariants, state_diff
+from pagedlib.testing import InvariantError, check_invariants, fill_unused, state_diff
 from pagedlib.util import ceil_div
 
 L, H, D = 4, 1, 2
@@ -433,3 +433,26 @@ def test_invariant_7_catches_a_window_table_out_of_step():
     full[0] = table[2]  # one block in both groups
     with pytest.raises(InvariantError, match="^1: .*groups"):
         check_invariants(c)
+
+
+def test_fill_unused_and_block_table_per_group():
+    """``fill_unused`` writes NaN into every slot no group's table holds (the blocks a window gave back
+    included) and leaves every held slot alone; ``block_table(group=g)`` pads, and shows a given-back entry,
+    with -1."""
+    c = PagedKVCache(12, L, 2, H, D, groups=HYBRID)
+    c.add_sequence(0)
+    k = kv_of(1, 0, 9)
+    c.append_tokens(0, k[0], k[1])
+    k = kv_of(1, 9, 1)
+    c.append_tokens(0, k[0], k[1])  # the window group gave back 2 blocks
+    before = c.gather(0)
+    fill_unused(c)
+    after = c.gather(0)
+    assert all(torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0)) for a, b in zip(after, before))
+    held = {b for t in c.group_tables for b in t[0] if b != NULL_BLOCK}
+    for block in range(12):
+        assert c.k[block].isnan().all() != (block in held)
+    assert c.block_table([0], group=0).tolist() == [[-1, -1, *c.group_tables[0][0][2:]]]
+    assert c.block_table([0], width=6, group=1).tolist() == [[*c.group_tables[1][0], -1]]
+    with pytest.raises(IndexError, match="group must be in"):
+        c.block_table([0], group=2)
