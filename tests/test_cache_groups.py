@@ -7,6 +7,11 @@ holds; unit tests pin the layout, vLLM's numbers and the argument checks."""
 
 from __future__ import annotations
 
+import json
+import random
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import assert_unchanged, snapshot
@@ -456,3 +461,82 @@ def test_fill_unused_and_block_table_per_group():
     assert c.block_table([0], width=6, group=1).tolist() == [[*c.group_tables[1][0], -1]]
     with pytest.raises(IndexError, match="group must be in"):
         c.block_table([0], group=2)
+
+
+# vLLM 0.32.0's own KVCacheManager (no prefix caching) over a window group and a full group, run in a child
+# (vLLM's import changes process-wide settings): for each scenario (block size, window, steps), the table
+# length and null entries of each group after each ``allocate_slots`` (None where the request is freed)
+VLLM_TABLES = """
+import json, sys, torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.request import Request
+out = []
+for block_size, window, steps in json.loads(sys.argv[1]):
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["s"], SlidingWindowSpec(sliding_window=window, **kw)),
+              KVCacheGroupSpec(["f"], FullAttentionSpec(**kw))]
+    manager = KVCacheManager(KVCacheConfig(num_blocks=2000, kv_cache_tensors=[], kv_cache_groups=groups),
+                             max_model_len=4096, scheduler_block_size=block_size,
+                             hash_block_size=block_size, enable_caching=False)
+    requests, rows = {}, []
+    for name, n in steps:
+        if n == 0:
+            manager.free(requests.pop(name))
+            rows.append(None)
+            continue
+        if name not in requests:
+            requests[name] = Request(name, prompt_token_ids=[0] * 4000, pooling_params=None,
+                                     sampling_params=SamplingParams(max_tokens=1))
+        request = requests[name]
+        assert manager.allocate_slots(request, n) is not None
+        request.num_computed_tokens += n
+        rows.append([[len(g), sum(b.is_null for b in g)] for g in manager.coordinator.get_blocks(name)])
+    out.append(rows)
+print(json.dumps(out))
+"""
+
+
+def test_tables_step_for_step_with_vllms_kv_cache_manager():
+    """Seeded random steps (prompts in chunks of 1-40 tokens, decodes, frees; several requests interleaved)
+    over a window group and a full group: after every step each group's table has the length and the null
+    entries that vLLM 0.32.0's ``KVCacheManager.allocate_slots`` leaves (windows 1 to 64, multiples of the
+    block size and not, block sizes 1 to 16)."""
+    rng = random.Random(54)
+    scenarios = []
+    for block_size, window in [(1, 1), (2, 3), (4, 6), (4, 8), (16, 64), (16, 5), (4, 1), (8, 100)]:
+        steps, live, lengths = [], [], {}
+        for _ in range(40):
+            if not live or (len(live) < 3 and rng.random() < 0.2):
+                live.append(f"r{len(lengths)}")
+                lengths[live[-1]] = 0
+            name = rng.choice(live)
+            if lengths[name] > 60 and rng.random() < 0.3:
+                steps.append((name, 0))
+                live.remove(name)
+                continue
+            n = rng.choice([1, 1, 1, rng.randint(1, 40)])
+            steps.append((name, n))
+            lengths[name] += n
+        scenarios.append((block_size, window, steps))
+    done = subprocess.run([sys.executable, "-c", VLLM_TABLES, json.dumps(scenarios)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = json.loads(done.stdout.strip().splitlines()[-1])
+    for (block_size, window, steps), rows in zip(scenarios, want):
+        groups = (KVGroup(SLIDING, window, (0,)), KVGroup(FULL, None, (1,)))
+        c = PagedKVCache(2000, 2, block_size, 1, 1, groups=groups)
+        got = []
+        for name, n in steps:
+            if n == 0:
+                c.free_sequence(name)
+                got.append(None)
+                continue
+            if name not in c.seq_lens:
+                c.add_sequence(name)
+            with c.reserving([name], [[0] * n]):
+                pass
+            got.append([[len(t[name]), t[name].count(NULL_BLOCK)] for t in c.group_tables])
+            check_invariants(c)
+        assert got == rows, (block_size, window)
