@@ -7,6 +7,11 @@ holds; unit tests pin the layout, vLLM's numbers and the argument checks."""
 
 from __future__ import annotations
 
+import json
+import random
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import assert_unchanged, snapshot
@@ -18,7 +23,7 @@ from pagedlib.core.blocks import BlockManager
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.groups import FULL, NULL_BLOCK, SLIDING, KVGroup, kv_groups
 from pagedlib.core.kv_pool import KVPool
-from pagedlib.testing import InvariantError, check_invariants, state_diff
+from pagedlib.testing import InvariantError, check_invariants, fill_unused, state_diff
 from pagedlib.util import ceil_div
 
 L, H, D = 4, 1, 2
@@ -433,3 +438,105 @@ def test_invariant_7_catches_a_window_table_out_of_step():
     full[0] = table[2]  # one block in both groups
     with pytest.raises(InvariantError, match="^1: .*groups"):
         check_invariants(c)
+
+
+def test_fill_unused_and_block_table_per_group():
+    """``fill_unused`` writes NaN into every slot no group's table holds (the blocks a window gave back
+    included) and leaves every held slot alone; ``block_table(group=g)`` pads, and shows a given-back entry,
+    with -1."""
+    c = PagedKVCache(12, L, 2, H, D, groups=HYBRID)
+    c.add_sequence(0)
+    k = kv_of(1, 0, 9)
+    c.append_tokens(0, k[0], k[1])
+    k = kv_of(1, 9, 1)
+    c.append_tokens(0, k[0], k[1])  # the window group gave back 2 blocks
+    before = c.gather(0)
+    fill_unused(c)
+    after = c.gather(0)
+    assert all(torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0)) for a, b in zip(after, before))
+    held = {b for t in c.group_tables for b in t[0] if b != NULL_BLOCK}
+    for block in range(12):
+        assert c.k[block].isnan().all() != (block in held)
+    assert c.block_table([0], group=0).tolist() == [[-1, -1, *c.group_tables[0][0][2:]]]
+    assert c.block_table([0], width=6, group=1).tolist() == [[*c.group_tables[1][0], -1]]
+    with pytest.raises(IndexError, match="group must be in"):
+        c.block_table([0], group=2)
+
+
+# vLLM 0.32.0's own KVCacheManager (no prefix caching) over a window group and a full group, run in a child
+# (vLLM's import changes process-wide settings): for each scenario (block size, window, steps), the table
+# length and null entries of each group after each ``allocate_slots`` (None where the request is freed)
+VLLM_TABLES = """
+import json, sys, torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.request import Request
+out = []
+for block_size, window, steps in json.loads(sys.argv[1]):
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["s"], SlidingWindowSpec(sliding_window=window, **kw)),
+              KVCacheGroupSpec(["f"], FullAttentionSpec(**kw))]
+    manager = KVCacheManager(KVCacheConfig(num_blocks=2000, kv_cache_tensors=[], kv_cache_groups=groups),
+                             max_model_len=4096, scheduler_block_size=block_size,
+                             hash_block_size=block_size, enable_caching=False)
+    requests, rows = {}, []
+    for name, n in steps:
+        if n == 0:
+            manager.free(requests.pop(name))
+            rows.append(None)
+            continue
+        if name not in requests:
+            requests[name] = Request(name, prompt_token_ids=[0] * 4000, pooling_params=None,
+                                     sampling_params=SamplingParams(max_tokens=1))
+        request = requests[name]
+        assert manager.allocate_slots(request, n) is not None
+        request.num_computed_tokens += n
+        rows.append([[len(g), sum(b.is_null for b in g)] for g in manager.coordinator.get_blocks(name)])
+    out.append(rows)
+print(json.dumps(out))
+"""
+
+
+def test_tables_step_for_step_with_vllms_kv_cache_manager():
+    """Seeded random steps (prompts in chunks of 1-40 tokens, decodes, frees; several requests interleaved)
+    over a window group and a full group: after every step each group's table has the length and the null
+    entries that vLLM 0.32.0's ``KVCacheManager.allocate_slots`` leaves (windows 1 to 64, multiples of the
+    block size and not, block sizes 1 to 16)."""
+    rng = random.Random(54)
+    scenarios = []
+    for block_size, window in [(1, 1), (2, 3), (4, 6), (4, 8), (16, 64), (16, 5), (4, 1), (8, 100)]:
+        steps, live, lengths = [], [], {}
+        for _ in range(40):
+            if not live or (len(live) < 3 and rng.random() < 0.2):
+                live.append(f"r{len(lengths)}")
+                lengths[live[-1]] = 0
+            name = rng.choice(live)
+            if lengths[name] > 60 and rng.random() < 0.3:
+                steps.append((name, 0))
+                live.remove(name)
+                continue
+            n = rng.choice([1, 1, 1, rng.randint(1, 40)])
+            steps.append((name, n))
+            lengths[name] += n
+        scenarios.append((block_size, window, steps))
+    done = subprocess.run([sys.executable, "-c", VLLM_TABLES, json.dumps(scenarios)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = json.loads(done.stdout.strip().splitlines()[-1])
+    for (block_size, window, steps), rows in zip(scenarios, want):
+        groups = (KVGroup(SLIDING, window, (0,)), KVGroup(FULL, None, (1,)))
+        c = PagedKVCache(2000, 2, block_size, 1, 1, groups=groups)
+        got = []
+        for name, n in steps:
+            if n == 0:
+                c.free_sequence(name)
+                got.append(None)
+                continue
+            if name not in c.seq_lens:
+                c.add_sequence(name)
+            with c.reserving([name], [[0] * n]):
+                pass
+            got.append([[len(t[name]), t[name].count(NULL_BLOCK)] for t in c.group_tables])
+            check_invariants(c)
+        assert got == rows, (block_size, window)

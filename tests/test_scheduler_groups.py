@@ -5,7 +5,11 @@ more requests at once than the same pool with full groups."""
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -189,3 +193,49 @@ def test_connector_with_groups_is_refused():
 
     with pytest.raises(ValueError, match="connector with KV-cache groups .* not supported yet"):
         Scheduler(PagedKVCache(8, L, 4, 1, 1, groups=hybrid(8)), connector=Nothing(4))
+
+
+# vLLM 0.32.0's admission count for a new request (``get_num_blocks_to_allocate`` with the window cap, as
+# ``allocate_slots`` asks it when the full sequence must fit), over a window group and a full group, in a
+# child (vLLM's import changes process-wide settings)
+VLLM_ADMISSION = """
+import json, sys, torch
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+out = []
+for block_size, window, budget, max_model_len, num_tokens in json.loads(sys.argv[1]):
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["s"], SlidingWindowSpec(sliding_window=window, **kw)),
+              KVCacheGroupSpec(["f"], FullAttentionSpec(**kw))]
+    manager = KVCacheManager(KVCacheConfig(num_blocks=4000, kv_cache_tensors=[], kv_cache_groups=groups),
+                             max_model_len=max_model_len, scheduler_block_size=block_size,
+                             hash_block_size=block_size, enable_caching=False, max_in_flight_tokens=budget)
+    out.append(manager.coordinator.get_num_blocks_to_allocate(
+        request_id="new", num_tokens=num_tokens, new_computed_blocks=([], []), num_encoder_tokens=0,
+        total_computed_tokens=0, num_local_computed_tokens=0, num_tokens_main_model=num_tokens,
+        apply_admission_cap=True))
+print(json.dumps(out))
+"""
+
+
+def test_admission_blocks_equal_vllms():
+    """``blocks_of(n, capped=True)``, the full-sequence admission count, equals vLLM 0.32.0's for seeded
+    random block sizes, windows, token budgets (vLLM's ``max_in_flight_tokens``), model lengths and
+    request lengths."""
+    rng = random.Random(15)
+    cases = []
+    for _ in range(60):
+        max_model_len = rng.choice([48, 256, 4096])
+        cases.append((rng.choice([1, 2, 4, 16]), rng.choice([1, 3, 8, 48, 64, 100]),
+                      rng.choice([1, 5, 16, 256, 2048]), max_model_len, rng.randint(1, max_model_len)))
+    done = subprocess.run([sys.executable, "-c", VLLM_ADMISSION, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = json.loads(done.stdout.strip().splitlines()[-1])
+    got = []
+    for block_size, window, budget, max_model_len, num_tokens in cases:
+        groups = (KVGroup(SLIDING, window, (0,)), KVGroup(FULL, None, (1,)))
+        sched = Scheduler(PagedKVCache(1, 2, block_size, 1, 1, groups=groups), max_model_len=max_model_len,
+                          max_num_batched_tokens=budget)
+        got.append(sched.blocks_of(num_tokens, capped=True))
+    assert got == want

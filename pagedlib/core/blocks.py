@@ -61,6 +61,7 @@ class BlockManager:
         self.windows: tuple[int | None, ...] = (None,)
         if groups is not None:
             self.windows = tuple(group.window for group in groups)
+        self.has_window = any(window is not None for window in self.windows)  # some group gives blocks back
         if enable_prefix_caching and len(self.windows) > 1:
             raise ValueError(f"enable_prefix_caching with several KV-cache groups (groups: "
                              f"{len(self.windows)}) is not supported yet")
@@ -75,7 +76,8 @@ class BlockManager:
         self.tables = self.group_tables[0]
         self.seq_lens: dict[Hashable, int] = {}
         # tokens each sequence held when its last reservation began (vLLM's num_computed_tokens at
-        # allocate_slots): a window group holds no block wholly before the window of that position
+        # allocate_slots; kept with a window group only): a window group holds no block wholly before the
+        # window of that position
         self.computed: dict[Hashable, int] = {}
         self.token_ids: dict[Hashable, list[int]] = {}  # filled only with prefix caching
         self.prefix_cache: PrefixCache | RadixCache | None = None
@@ -236,9 +238,10 @@ class BlockManager:
         ``commit``s, or ``undo``es the reservation."""
         record = Reservation()
         try:
-            for seq_id, count in zip(seq_ids, counts):
-                if count > 0:  # vLLM gives back only for a request it schedules
-                    self.give_back(seq_id, record)
+            if self.has_window:
+                for seq_id, count in zip(seq_ids, counts):
+                    if count > 0:  # vLLM gives back only for a request it schedules
+                        self.give_back(seq_id, record)
             plans = [self.copy_on_write(seq_ids, counts, group) for group in range(len(self.windows))]
             needed = 0
             for tables, copy in zip(self.group_tables, plans):
