@@ -289,7 +289,9 @@ class BlockManager:
                 freed.append(table[index])
                 record.skipped.append((group, seq_id, index, table[index]))
                 table[index] = NULL_BLOCK
-            self.release(freed)
+            # vLLM frees them in that order, the first freed reused first (its free queue's front), so the
+            # free stack gets them the other way round: the block nearest the window on top
+            self.release(freed[::-1])
 
     def num_new_blocks(self, seq_id: Hashable, count: int) -> int:
         """Blocks ``count`` more tokens of ``seq_id`` take, every group together (no copy-on-write counted:
