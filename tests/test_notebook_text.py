@@ -393,6 +393,10 @@ ALLOWED_NUMBERS = {
     "14": {"1,536": f"{COMPUTED}: the formula beside it", "49,152": f"{COMPUTED}: 1,536 x 32",
            "300": f"{DEFINED}: the tight objective, 0.3 s in the code",
            "384": f"{SOLUTION}: 12 blocks x 32"},
+    "15": {"56.25%": f"{PAPER}: vLLM RFC #11382 (the table prints it rounded)",
+           "79.6%": f"{PAPER}: vLLM RFC #11382, mllama", "237": f"{COMPUTED}: 300 - 64 + 1 beside it",
+           "320": f"{COMPUTED}: 384 - 64, the window before 384",
+           "383": f"{COMPUTED}: 384 - 1"},
 }
 
 

@@ -10,7 +10,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from pagedlib.core.groups import FULL, SLIDING, KVGroup
+from pagedlib.core.groups import FULL, SLIDING, KVGroup, kv_groups
 from pagedlib.util import as_int, refuse
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the formats an fp8 cache stores (core/fp8.py)
@@ -285,12 +285,13 @@ def check_fp8_input(x: object, scale: object, dtype: torch.dtype | None = None) 
     return scale
 
 
-def groups(groups: object, num_layers: int, prefix: bool) -> tuple | None:
-    """A cache's KV-cache ``groups``: ``None``, or ``KVGroup``s (kind ``full_attention`` with no window, or
-    ``sliding_attention`` with a window >= 1) whose layers cover ``range(num_layers)``, each layer once; one
-    group only with prefix caching (not supported across groups yet)."""
+def groups(groups: object, num_layers: int, prefix: bool) -> tuple:
+    """A cache's KV-cache ``groups`` as a tuple: ``None`` (one full-attention group of every layer), or
+    ``KVGroup``s (kind ``full_attention`` with no window, or ``sliding_attention`` with a window >= 1) whose
+    layers cover ``range(num_layers)``, each layer once; one group only with prefix caching (not supported
+    across groups yet)."""
     if groups is None:
-        return None
+        return kv_groups(None, None, num_layers)
     if isinstance(groups, (str, bytes, KVGroup)) or not isinstance(groups, Sequence) or not groups:
         raise ValueError(f"groups must be None or a non-empty sequence of KVGroup, got {groups!r}")
     seen: list[int] = []

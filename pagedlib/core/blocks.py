@@ -238,18 +238,12 @@ class BlockManager:
         ``commit``s, or ``undo``es the reservation."""
         record = Reservation()
         try:
-            if self.has_window:
-                for seq_id, count in zip(seq_ids, counts):
-                    if count > 0:  # vLLM gives back only for a request it schedules
-                        self.give_back(seq_id, record)
+            for seq_id, count in zip(seq_ids, counts):
+                if count > 0 and self.has_window:  # vLLM gives back only for a request it schedules
+                    self.give_back(seq_id, record)
             plans = [self.copy_on_write(seq_ids, counts, group) for group in range(len(self.windows))]
-            needed = 0
-            for tables, copy in zip(self.group_tables, plans):
-                needed += sum(copy)
-                for seq_id, count in zip(seq_ids, counts):
-                    needed += ceil_div(self.seq_lens[seq_id] + count, self.block_size) - len(tables[seq_id])
             # OutOfBlocksError before anything is taken
-            self.allocate(needed, what_for(seq_ids, counts), record.taken)
+            self.allocate(self.blocks_needed(seq_ids, counts, plans), what_for(seq_ids, counts), record.taken)
             new_blocks = iter(record.taken)
             for group, copy in enumerate(plans):
                 record.group_slots.append([self._grow(group, seq_id, count, copy_last, new_blocks, record)
@@ -267,6 +261,17 @@ class BlockManager:
             self.undo(record)
             raise
         return record
+
+    def blocks_needed(self, seq_ids: Sequence[Hashable], counts: Sequence[int],
+                      plans: Sequence[Sequence[bool]]) -> int:
+        """Blocks ``reserve`` takes: every group's new table entries, and a copy of each shared last block its
+        copy-on-write ``plans`` (one per group) name."""
+        needed = 0
+        for tables, copy in zip(self.group_tables, plans):
+            needed += sum(copy)
+            for seq_id, count in zip(seq_ids, counts):
+                needed += ceil_div(self.seq_lens[seq_id] + count, self.block_size) - len(tables[seq_id])
+        return needed
 
     def give_back(self, seq_id: Hashable, record: Reservation) -> None:
         """Each window group of ``seq_id`` gives back the blocks wholly before the window of its next token

@@ -19,7 +19,7 @@ from pagedlib.core._checks import SUPPORTED_DTYPES, UnknownSequenceError  # noqa
 # re-exported: callers import the errors from here
 from pagedlib.core.blocks import BlockManager, InvariantError, OutOfBlocksError, Reservation  # noqa: F401
 from pagedlib.core.fp8 import FP8_DTYPES, dequantize
-from pagedlib.core.groups import NULL_BLOCK, KVGroup, kv_groups, layers_per_group
+from pagedlib.core.groups import NULL_BLOCK, KVGroup, layers_per_group
 from pagedlib.core.kv_pool import KVPool
 
 
@@ -88,8 +88,6 @@ class PagedKVCache:
                                         enable_prefix_caching, prefix_cache)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
         self.groups = checks.groups(groups, self.num_layers, enable_prefix_caching)
-        if self.groups is None:
-            self.groups = kv_groups(None, None, self.num_layers)  # one group of every layer
         scales = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
         self.k_scale, self.v_scale = scales
         self.dtype = dtype

@@ -82,3 +82,34 @@ def draw_group_tables(history: Sequence[tuple[str, int, Sequence[Sequence[int]]]
             ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
+
+
+def draw_hits(runs: dict[str, Sequence[tuple[int, Sequence[int]]]], group_names: Sequence[str]) -> Any:
+    """Prefix-cache hits of each run's lookups after the first: per lookup, what each group alone would serve
+    (light bars) and the hit granted (dark bar). ``runs``: name -> [(hit, [group hits])], one per lookup."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / (len(group_names) + 1)
+    ticks, labels = [], []
+    x = 0.0
+    for name, lookups in runs.items():
+        for number, (hit, group_hits) in enumerate(lookups[1:], start=1):
+            for g, (alone, group) in enumerate(zip(group_hits, group_names)):
+                ax.bar(x + g * width, alone, width, color=OWNER_COLORS[g], alpha=0.45,
+                       label=f"{group} alone" if x == 0 else None)
+            ax.bar(x + len(group_names) * width, hit, width, color="#333333", label="hit granted" if x == 0
+                   else None)
+            ax.text(x + len(group_names) * width, hit + 4, str(hit), ha="center", fontsize=8)
+            ticks.append(x + 0.4 - width / 2)
+            labels.append(f"{name}\nprompt {'qrstuvw'[number - 1]}")
+            x += 1.0
+        x += 0.4
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("prefix-cache hit (tokens)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
