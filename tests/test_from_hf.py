@@ -1,8 +1,9 @@
 """``from_hf`` accepts exactly what ``PagedLlama`` computes: Llama, Mistral (its one sliding window on every
 layer) and Ministral (sliding and full layers, ``layer_types``), each proven token-equal to ``transformers``'
-``generate`` here; every other family, a bare decoder without its
-head, a config field it does not implement, float64 weights and (for the Triton kernel) a head size the
-kernel cannot take are refused when the model or engine is built, with a ``ValueError`` naming them.
+``generate`` (here, and in ``tests/test_engine_oracle.py``); every other family, a bare decoder without its
+head, a config field it does not implement (a ``layer_types`` kind among them), float64 weights and (for
+the Triton kernel) a head size the kernel cannot take are refused when the model or engine is built, with a
+``ValueError`` naming them.
 
 The models are tiny, seeded and built from local configs (no download)."""
 
