@@ -23,6 +23,7 @@ from pagedlib.kernels.triton_decode import choose_num_splits
 from pagedlib.sim import disagg, offload
 from pagedlib.sim.simulate import new_scheduler
 from pagedlib.sim.window import window_held_blocks, window_span_blocks
+from pagedlib.teach.hybrid_sizing import HYBRID_PRESETS, HybridSpec, sequence_kv_bytes, window_blocks_held
 from pagedlib.teach.sizing import (
     DTYPE_BYTES,
     PRESETS,
@@ -59,7 +60,7 @@ MAX_NUM_BATCHED_TOKENS_BY_DEVICE = {
 H100_SMS = 132  # streaming multiprocessors of an H100 SXM (notebook 05)
 NOTEBOOKS = {"01": "01_memory_sizing", "05": "05_triton_kernel", "07": "07_serving_simulation",
              "10": "10_fp8_kv_cache", "12": "12_vllm_side_by_side", "13": "13_beyond_one_pool",
-             "14": "14_between_engines"}
+             "14": "14_between_engines", "15": "15_hybrid_kv_cache"}
 
 
 def notebook(number: str) -> str:
@@ -131,6 +132,30 @@ def window_entry() -> str:
         f"{window_held_blocks(small_w, b)}.",
         f"{notebook('07')} (section 8); `window_span_blocks`, `window_held_blocks`, "
         "`WindowScheduler.blocks_alone` (`pagedlib/sim/window.py`).")
+
+
+def hybrid_entry() -> str:
+    b, w = 16, 64
+    gemma, ministral = HYBRID_PRESETS["gemma-2-9b"], HYBRID_PRESETS["ministral-8b"]
+
+    def waste(spec: HybridSpec) -> str:  # at full context, per layer
+        return f"{float(sequence_kv_bytes(spec, spec.max_model_len, b).saving):.2%}"
+
+    return entry(
+        "Hybrid models: a block table per KV-cache group",
+        "A window layer's table gives back every block wholly before the window of the next token: with `c` "
+        "tokens computed before a step, `max(0, c − W + 1) // b` leading blocks (vLLM 0.32.0's "
+        "`remove_skipped_blocks`), so during a decode step it holds at most `ceil((W − 1) / b) + 1`. One "
+        "table for every layer wastes, at full context `L`, `(window layers / layers) × (1 − W / L)` of "
+        "the cache.",
+        f"`W` = {w}, `b` = {b}: a 300-token prompt holds {window_blocks_held(300, w, b, 300)} blocks in "
+        f"the step that computes it, {window_blocks_held(301, w, b)} during the next (decode) step. "
+        f"Gemma-2 9B ({gemma.num_sliding} of {gemma.num_layers} layers, `W` = {gemma.sliding_window:,}, "
+        f"`L` = {gemma.max_model_len:,}) wastes {waste(gemma)}; Ministral 8B ({ministral.num_sliding} of "
+        f"{ministral.num_layers}, `W` = {ministral.sliding_window:,}, `L` = {ministral.max_model_len:,}) "
+        f"{waste(ministral)}.",
+        f"{notebook('15')} (sections 2 and 4); `window_blocks_held`, `sequence_kv_bytes` "
+        "(`pagedlib/teach/hybrid_sizing.py`), `BlockManager.give_back` (`pagedlib/core/blocks.py`).")
 
 
 def split_k_entry() -> str:
@@ -281,8 +306,8 @@ powers of 1,000. Every number below is computed by `pagedlib`: `python -m pagedl
 writes this page, and a test fails if it is out of date. The [glossary](glossary.md) defines the terms.
 """
 
-ENTRIES = (kv_bytes_entry, blocks_entry, window_entry, split_k_entry, fp8_entry, load_entry, goodput_entry,
-           vllm_entry)
+ENTRIES = (kv_bytes_entry, blocks_entry, window_entry, hybrid_entry, split_k_entry, fp8_entry, load_entry,
+           goodput_entry, vllm_entry)
 
 
 def render() -> str:
