@@ -75,7 +75,8 @@ def test_the_hybrid_rule():
     text = section("Hybrid models")
     skipped = (300 - 64 + 1) // 16                  # blocks wholly before the window of the token at 300
     decode = math.ceil(301 / 16) - skipped
-    assert f"holds {math.ceil(300 / 16)} blocks in the step that computes it, {decode} during the next" in text
+    prompt = math.ceil(300 / 16)
+    assert f"holds {prompt} blocks in the step that computes it, {decode} during the next" in text
     assert f"wastes {1 / 2 * (1 - 4096 / 8192):.2%}" in text                      # vLLM RFC #11382: 25%
     assert f"`L` = 131,072) {3 / 4 * (1 - 32768 / 131072):.2%}." in text         # and 56.25%
 
