@@ -156,3 +156,50 @@ def test_the_query_block_grid_shows_every_program_and_which_tokens_it_serves():
     assert legend_labels(fig)[:3] == ["sequence 0: token 0, block 0", "sequence 1: tokens 1-8, blocks 1-3",
                                       "sequence 2: tokens 9-11, blocks 4-5"]
     assert "BLOCK_Q = 4" in fig._suptitle.get_text()
+
+
+# -------------------------------------------------------------------------------------------------------
+# notebook 15: a hybrid model's tables and what they save
+
+
+def test_the_savings_figure_draws_each_model_both_ways_and_parts_at_the_window():
+    from pagedlib.teach import hybrid_view
+
+    lengths = [2**k for k in range(6, 14)]
+    fig = hybrid_view.draw_savings(["gpt-oss-20b", "gemma-2-9b"], lengths)
+    ax = fig.axes[0]
+    assert "tokens" in ax.get_xlabel() and "GiB" in ax.get_ylabel()
+    assert legend_labels(fig) == ["gpt-oss-20b, one table", "gpt-oss-20b, a table per group",
+                                  "gemma-2-9b, one table", "gemma-2-9b, a table per group"]
+    curves = hybrid_view.savings_curves(["gemma-2-9b"], lengths)["gemma-2-9b"]
+    for n, uniform, grouped in zip(lengths, *curves):    # equal up to the 4,096-token window, then apart
+        assert (grouped == uniform) == (n <= 4096) and grouped <= uniform
+    plt.close(fig)
+
+
+def test_the_two_tables_figure_marks_every_block_given_back():
+    from pagedlib.core.groups import NULL_BLOCK
+    from pagedlib.teach import hybrid_view
+
+    history = [("step 1", 40, [[0, 1, 2], [3, 4, 5]]), ("step 2", 41, [[NULL_BLOCK, 1, 2], [3, 4, 5]]),
+               ("step 9", 48, [[NULL_BLOCK, NULL_BLOCK, 2], [3, 4, 5]])]
+    fig = hybrid_view.draw_group_tables(history, ["sliding window 16: layer 0", "full attention: layer 1"],
+                                        block_size=16, window=16)
+    window, full = fig.axes
+    assert sum(t.get_text() == "null" for t in window.texts) == 3 and not any(
+        t.get_text() == "null" for t in full.texts)
+    assert len(window.lines) == 3 and not full.lines       # the window's start, one bar a row
+    assert [t.get_text() for t in window.get_yticklabels()] == ["step 1 (40 tok)", "step 2 (41 tok)",
+                                                              "step 9 (48 tok)"]
+    plt.close(fig)
+
+
+def test_the_hits_figure_draws_what_each_group_serves_and_the_hit():
+    from pagedlib.teach import hybrid_view
+
+    fig = hybrid_view.draw_hits({"shift": [(0, [0, 0]), (0, [272, 0]), (272, [272, 272])]},
+                                ("full group", "window group"))
+    heights = [round(bar.get_height()) for bar in fig.axes[0].patches]
+    assert heights == [272, 0, 0, 272, 272, 272]           # per lookup: each group alone, then the hit
+    assert legend_labels(fig) == ["full group alone", "window group alone", "hit granted"]
+    plt.close(fig)
