@@ -102,8 +102,10 @@ def _attend_tiles(
     # for decode; BLOCK_Q tokens x the group for varlen) fold the keys in, a tile of TILE at a time
     if DOT_FP32:
         q = q.to(tl.float32)
-    if WINDOWED:  # no row sees a key before the first row's window: the walk starts there
-        start = tl.maximum(start, tl.min(q_pos, 0) - window + 1)
+    # no row sees a key before the first row's window: the walk starts there. A conditional expression on
+    # a constexpr picks one branch when the kernel compiles; an `if` block could not turn `start` from a
+    # constant 0 into an int32 (the compiler refuses a variable whose type a branch changes)
+    start = tl.maximum(start, tl.min(q_pos, 0) - window + 1) if WINDOWED else start
     for tile_start in range(start, end, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [TILE] key positions in the sequence
         valid = pos < end  # masks the ragged last tile (and everything past seq_len)
