@@ -310,6 +310,11 @@ class Scheduler:
             return None
         return request.block_keys(self.block_size, (request.num_tokens - 1) // self.block_size)
 
+    def admission_tokens(self, request: Request) -> int:
+        """The tokens ``full_prompt_must_fit`` counts for ``request``: its whole current length, outputs of a
+        preempted one included, at most ``max_model_len``."""
+        return min(request.num_tokens, self.max_model_len)
+
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         """vLLM 0.32.0's admission tests (``KVCacheManager.allocate_slots``): the blocks a sequence of
         ``num_tokens`` (the first chunk) takes beside the cached ``found`` (a found block nobody holds leaves
@@ -319,7 +324,7 @@ class Scheduler:
         revived = sum(self.cache.ref_count(block) == 0 for block in found)
         tests = [self.blocks_of(num_tokens, capped=False)]
         if self.full_prompt_must_fit:
-            tests.append(self.blocks_of(min(request.num_tokens, self.max_model_len), capped=True))
+            tests.append(self.blocks_of(self.admission_tokens(request), capped=True))
         need = max(tests) - len(found) + revived
         if self.running:
             need += self.watermark_blocks

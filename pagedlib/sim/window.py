@@ -88,6 +88,9 @@ class WindowScheduler(Scheduler):
     def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
         return super().fits(request, found, num_tokens - self.first_stored(request))
 
+    def admission_tokens(self, request: Request) -> int:
+        return super().admission_tokens(request) - self.first_stored(request)  # stored from first_stored on
+
     def attach(self, plan: StepPlan, request: Request, external: int) -> int:
         super().attach(plan, request, external)
         start = self.first_stored(request)
