@@ -15,6 +15,7 @@ import torch
 from pagedlib.core.blocks import BlockManager, InvariantError
 from pagedlib.core.cache import PagedKVCache
 from pagedlib.core.groups import NULL_BLOCK
+from pagedlib.core.prefix_cache import chained_keys
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
 
@@ -169,12 +170,17 @@ def check_hash_cache(prefix_cache: Any, manager: BlockManager) -> str | None:
     registered block nobody holds waits in ``free_queue``, never on the plain free stack; every block in
     ``free_queue`` is registered and held by nobody."""
     block_size = prefix_cache.block_size
-    for key, blocks in prefix_cache.blocks.items():
-        if not blocks or any(prefix_cache.keys.get(block) != key for block in blocks):
-            return f"key {key} names blocks {list(blocks)}, whose own keys differ"
+    shelves = getattr(prefix_cache, "group_blocks", [prefix_cache.blocks])
+    for shelf in shelves:
+        for key, blocks in shelf.items():
+            if not blocks or any(prefix_cache.keys.get(block) != key for block in blocks):
+                return f"key {key} names blocks {list(blocks)}, whose own keys differ"
     for block, key in prefix_cache.keys.items():
-        if block not in prefix_cache.blocks.get(key, ()):
-            return f"block {block} has key {key}, which does not name it"
+        named = [group for group, shelf in enumerate(shelves) if block in shelf.get(key, ())]
+        if len(named) != 1:
+            return f"block {block} has key {key}, which names it in groups {named}, not in one"
+    if len(shelves) > 1 or getattr(manager, "has_window", False):
+        return _check_group_keys(prefix_cache, manager, shelves)
     tables, token_ids = manager.tables, manager.token_ids
     for seq_id, table in tables.items():
         full = len(token_ids[seq_id]) // block_size
@@ -190,6 +196,28 @@ def check_hash_cache(prefix_cache: Any, manager: BlockManager) -> str | None:
         for block in table[full:]:
             if block in prefix_cache.keys:
                 return f"block {block}, partly filled in sequence {seq_id!r}, has a key"
+    return _check_free_cached(prefix_cache, manager, prefix_cache.keys)
+
+
+def _check_group_keys(prefix_cache: Any, manager: BlockManager, shelves: list[dict]) -> str | None:
+    """``check_hash_cache`` over KV-cache groups (notebook 15): every full block a group's table holds has
+    the chained key of the sequence's tokens up to it, on that group's shelf (a window group's parent may
+    be given back, so the keys are made again from the token ids), and no partly filled block has a key."""
+    block_size = prefix_cache.block_size
+    for seq_id, tokens in manager.token_ids.items():
+        keys = list(chained_keys(tokens, block_size))
+        for group, tables in enumerate(manager.group_tables):
+            table = tables[seq_id]
+            for index, block in enumerate(table):
+                if block == NULL_BLOCK:
+                    continue
+                key = prefix_cache.keys.get(block)
+                if index >= len(keys):
+                    if key is not None:
+                        return f"block {block}, partly filled in sequence {seq_id!r}, has a key"
+                elif key != keys[index] or block not in shelves[group].get(key, ()):
+                    return (f"full block {block} of sequence {seq_id!r} in group {group} has key {key}, not "
+                            f"the key of its tokens in that group")
     return _check_free_cached(prefix_cache, manager, prefix_cache.keys)
 
 

@@ -5,10 +5,11 @@ Features: whole prompts (``plain``), prefix caching with block hashes (``hash``)
 (``radix``), chunked prefill under a token budget (``chunked``, and with each prefix cache), an fp8 KV cache
 (``fp8``), tied embeddings (``tied``), Mistral, a Llama whose ``head_dim`` is set apart from its hidden
 size, and (notebook 15) a hybrid model whose first layer sees a sliding window of 6 tokens, with a block
-table per KV-cache group or one for both (``hybrid-*``), and a Mistral whose every layer sees 8
-(``mistral-window``). Attention: the torch path, the Triton kernel (in the interpreter on a CPU) and the
-fused CPU kernel. Pool: ``roomy`` holds every request at once; in ``tight`` the longest request barely fits
-alone, so requests are preempted and recomputed (prefix caching: they find their own blocks again).
+table per KV-cache group or one for both, with prefix caching across the groups too (``hybrid-*``),
+and a Mistral whose every layer sees 8 (``mistral-window``, and with prefix caching). Attention: the torch
+path, the Triton kernel (in the interpreter on a CPU) and the fused CPU kernel. Pool: ``roomy`` holds every
+request at once; in ``tight`` the longest request barely fits alone, so requests are preempted and recomputed
+(prefix caching: they find their own blocks again).
 
 Every cell steps its engine by hand through the public API and checks the cache's invariants after every
 step, the token budget where there is one, that every preempted request came back, and at the end that
@@ -68,14 +69,20 @@ FEATURES = {
     "hybrid-chunked": ("hybrid", {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 10}),
     "hybrid-fp8": ("hybrid", {"kv_cache_dtype": torch.float8_e4m3fn}),
     "hybrid-one-table": ("hybrid", {"hybrid_kv_cache": False}),
+    # prefix caching across the groups: a hit is the prefix both tables serve; chunks after hits too
+    "hybrid-hash": ("hybrid", {"enable_prefix_caching": True, "max_num_seqs": 4}),
+    "hybrid-chunked-hash": ("hybrid", {"max_num_batched_tokens": 11, "enable_prefix_caching": True,
+                                       "max_num_seqs": 3}),
     "mistral-window": ("mistral-window", {}),
+    "mistral-window-hash": ("mistral-window", {"enable_prefix_caching": True}),
 }
 WINDOWED = ("hybrid", "mistral-window")  # the models with sliding-window layers
 # name -> block size; roomy: 256 blocks, tight: as many as the longest request needs
 POOLS = {"roomy": 16, "tight": 4}
 # Triton runs the features whose kernel calls differ: tied embeddings and Mistral make the same calls as
 # plain Llama, and chunks after prefix-cache hits the same as chunks and hits apart.
-SAME_KERNEL_CALLS = ("tied", "mistral", "chunked-hash", "chunked-radix", "hybrid-one-table")
+SAME_KERNEL_CALLS = ("tied", "mistral", "chunked-hash", "chunked-radix", "hybrid-one-table",
+                     "hybrid-chunked-hash")
 CELLS = [(feature, attention, pool) for feature in FEATURES for attention in ("torch", "triton", "cpu")
          for pool in POOLS if attention != "triton" or feature not in SAME_KERNEL_CALLS]
 

@@ -285,11 +285,10 @@ def check_fp8_input(x: object, scale: object, dtype: torch.dtype | None = None) 
     return scale
 
 
-def groups(groups: object, num_layers: int, prefix: bool) -> tuple:
+def groups(groups: object, num_layers: int) -> tuple:
     """A cache's KV-cache ``groups`` as a tuple: ``None`` (one full-attention group of every layer), or
     ``KVGroup``s (kind ``full_attention`` with no window, or ``sliding_attention`` with a window >= 1) whose
-    layers cover ``range(num_layers)``, each layer once; one group only with prefix caching (not supported
-    across groups yet)."""
+    layers cover ``range(num_layers)``, each layer once."""
     if groups is None:
         return kv_groups(None, None, num_layers)
     if isinstance(groups, (str, bytes, KVGroup)) or not isinstance(groups, Sequence) or not groups:
@@ -311,7 +310,4 @@ def groups(groups: object, num_layers: int, prefix: bool) -> tuple:
     if sorted(seen) != list(range(num_layers)):
         raise ValueError(f"groups must hold every layer of num_layers={num_layers} exactly once, got layers "
                          f"{sorted(seen)}")
-    if prefix and len(groups) > 1:
-        raise ValueError(f"enable_prefix_caching with several KV-cache groups (groups: {len(groups)}) is "
-                         f"not supported yet")
     return tuple(groups)

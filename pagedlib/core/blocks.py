@@ -10,7 +10,10 @@ A hybrid model's layers form several KV-cache groups (``core/groups.py``, notebo
 reference count per block serve them all (a block belongs to one group at a time), and each group keeps a
 table per sequence, ``group_tables[g][seq_id]``. A sliding-window group's reservation first gives back the
 blocks wholly before the window (their entries become ``NULL_BLOCK``), as vLLM 0.32.0's ``allocate_slots``
-calls ``remove_skipped_blocks`` before it allocates."""
+calls ``remove_skipped_blocks`` before it allocates. With prefix caching each group registers its blocks
+under the chained keys of the sequence's tokens (``PrefixCache.add``), and a new sequence attaches the
+longest prefix every group can serve (``PrefixCache.peek_groups``): vLLM's dense retention, every full
+block of every group kept findable (its ``prefix_cache_retention_interval=None``)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedlib.core._checks import InvariantError, OutOfBlocksError, what_for  # noqa: F401 (re-exported)
 from pagedlib.core.groups import NULL_BLOCK, KVGroup
-from pagedlib.core.prefix_cache import BlockKey, PrefixCache
+from pagedlib.core.prefix_cache import BlockKey, PrefixCache, chained_keys
 from pagedlib.core.radix_cache import RadixCache
 from pagedlib.util import ceil_div
 
@@ -52,7 +55,7 @@ class BlockManager:
     """Free stack, reference counts and block tables of ``num_blocks`` blocks of ``block_size`` tokens;
     ``free_order`` lists the blocks handed out first, in order (the others follow in ascending order).
     ``groups``: the KV-cache groups, each with a table per sequence (``None``: one full-attention group);
-    ``tables`` is group 0's. Prefix caching serves one group only, so far."""
+    ``tables`` is group 0's."""
 
     def __init__(self, num_blocks: int, block_size: int, free_order: Sequence[int] = (),
                  enable_prefix_caching: bool = False, prefix_cache: str = "hash",
@@ -62,9 +65,11 @@ class BlockManager:
         if groups is not None:
             self.windows = tuple(group.window for group in groups)
         self.has_window = any(window is not None for window in self.windows)  # some group gives blocks back
-        if enable_prefix_caching and len(self.windows) > 1:
-            raise ValueError(f"enable_prefix_caching with several KV-cache groups (groups: "
-                             f"{len(self.windows)}) is not supported yet")
+        # a prefix cache's lookups and registrations go group by group (notebook 15)
+        self.by_group = len(self.windows) > 1 or self.has_window
+        if enable_prefix_caching and prefix_cache == "radix" and self.by_group:
+            raise ValueError(f"prefix_cache='radix' with KV-cache groups {self.windows} (windows): the radix "
+                             f"tree serves one full-attention group only; use prefix_cache='hash'")
         listed = set(free_order)
         unlisted = [block for block in reversed(range(num_blocks)) if block not in listed]
         # the top of the stack is the end of the list
@@ -80,11 +85,14 @@ class BlockManager:
         # window of that position
         self.computed: dict[Hashable, int] = {}
         self.token_ids: dict[Hashable, list[int]] = {}  # filled only with prefix caching
+        # with groups and prefix caching: the chained keys of each sequence's full blocks (vLLM's
+        # ``Request.block_hashes``), made once each
+        self.block_keys: dict[Hashable, list[BlockKey]] = {}
         self.prefix_cache: PrefixCache | RadixCache | None = None
         if enable_prefix_caching and prefix_cache == "radix":
             self.prefix_cache = RadixCache(block_size)  # SGLang's tree
         elif enable_prefix_caching:
-            self.prefix_cache = PrefixCache(block_size)  # vLLM's chained block hashes
+            self.prefix_cache = PrefixCache(block_size, num_groups=len(self.windows))  # vLLM's block hashes
         self.cow_copies = 0
         self.on_evict: Callable[[int], None] | None = None
 
@@ -164,18 +172,47 @@ class BlockManager:
         """A new sequence, holding the cached full leading blocks of ``prompt`` (prefix caching; ``keys``:
         their block keys, if the caller keeps them). Returns the tokens found: a multiple of
         ``block_size``, at most ``len(prompt) - 1``."""
+        if self.by_group:
+            return self.add_sequence_groups(seq_id, prompt, keys)
         found = []
         if self.prefix_cache is not None and prompt:
             found = self.prefix_cache.lookup(prompt, keys)
         self.share(found)
         length = len(found) * self.block_size
         self.tables[seq_id] = found
-        for tables in self.group_tables[1:]:  # several groups: no prefix cache, nothing found
-            tables[seq_id] = []
         self.seq_lens[seq_id] = length
         self.computed[seq_id] = length
         self.token_ids[seq_id] = list(prompt[:length])  # empty without prefix caching
         return length
+
+    def add_sequence_groups(self, seq_id: Hashable, prompt: Sequence[int] = (),
+                            keys: Sequence[BlockKey] | None = None) -> int:
+        """``add_sequence`` over KV-cache groups: each group's table starts with its blocks of the longest
+        prefix every group serves (``find_cached``; a window group's ``NULL_BLOCK`` before its window)."""
+        found = self.find_cached(prompt, keys)
+        for tables, blocks in zip(self.group_tables, found):
+            self.share(held(blocks))  # group by group, as vLLM touches them
+            tables[seq_id] = blocks
+        length = len(found[0]) * self.block_size
+        if self.prefix_cache is not None and prompt:
+            self.prefix_cache.queried_tokens += len(prompt)
+            self.prefix_cache.hit_tokens += length
+        self.seq_lens[seq_id] = length
+        self.computed[seq_id] = length
+        self.token_ids[seq_id] = list(prompt[:length])
+        if self.prefix_cache is not None:
+            found_keys = keys if keys is not None else chained_keys(prompt, self.block_size, len(found[0]))
+            self.block_keys[seq_id] = list(found_keys)[:len(found[0])]
+        return length
+
+    def find_cached(self, prompt: Sequence[int], keys: Sequence[BlockKey] | None = None) -> list[list[int]]:
+        """Each group's cached blocks for the longest prefix of ``prompt`` every group serves (all empty
+        without prefix caching): ``PrefixCache.peek_groups``, or the one group's ``peek``. Counts nothing."""
+        if self.prefix_cache is None or not prompt:
+            return [[] for _ in self.windows]
+        if not self.by_group:
+            return [self.prefix_cache.peek(prompt, keys)]
+        return self.prefix_cache.peek_groups(prompt, keys, self.windows)  # type: ignore[union-attr]
 
     def share_partial_block(self, seq_id: Hashable, prompt: Sequence[int],
                             unwritten: Sequence[int] = ()) -> list[tuple[int, int]]:
@@ -211,12 +248,15 @@ class BlockManager:
         self.seq_lens[child_id] = self.seq_lens[parent_id]
         self.computed[child_id] = self.computed[parent_id]
         self.token_ids[child_id] = list(self.token_ids[parent_id])
+        if parent_id in self.block_keys:
+            self.block_keys[child_id] = list(self.block_keys[parent_id])
 
     def free_sequence(self, seq_id: Hashable) -> list[int]:
         """Forget a sequence. Returns the blocks nobody holds any more, in table order, group after group."""
         del self.seq_lens[seq_id]
         del self.token_ids[seq_id]
         del self.computed[seq_id]
+        self.block_keys.pop(seq_id, None)
         freed = []
         for tables in self.group_tables:
             freed += self.release(held(tables.pop(seq_id)))
@@ -341,6 +381,9 @@ class BlockManager:
     def _register(self, seq_id: Hashable, length: int, record: Reservation) -> None:
         """Make the blocks of ``seq_id`` filled past ``length`` findable by their token ids. A block whose
         content the radix tree holds already is a duplicate: the tree's block replaces it at ``commit``."""
+        if self.by_group:
+            self._register_groups(seq_id, length, record)
+            return
         block_size = self.block_size
         table = self.tables[seq_id]
         tokens = self.token_ids[seq_id]
@@ -357,6 +400,20 @@ class BlockManager:
                 self.share([found])  # held: not evicted before commit puts it in the table
                 record.swaps.append((seq_id, index, table[index], found))
             parent = found
+
+    def _register_groups(self, seq_id: Hashable, length: int, record: Reservation) -> None:
+        """``_register`` over KV-cache groups: each group's blocks filled past ``length`` under the chained
+        keys of the sequence's tokens (a window group's block given back is not registered again; vLLM's
+        ``cache_full_blocks`` skips its null blocks)."""
+        keys = self.block_keys[seq_id]
+        full = self.seq_lens[seq_id] // self.block_size
+        parent = keys[-1] if keys else None
+        keys += chained_keys(self.token_ids[seq_id], self.block_size, full, len(keys), parent)
+        for group, tables in enumerate(self.group_tables):
+            table = tables[seq_id]
+            for index in range(length // self.block_size, full):
+                if table[index] != NULL_BLOCK:
+                    record.registered.append(self.prefix_cache.add(table[index], keys[index], group))  # type: ignore[union-attr]
 
     def commit(self, record: Reservation) -> None:
         """The K/V of ``record``'s slots are written: each duplicate the radix tree found gives way to the
@@ -375,6 +432,8 @@ class BlockManager:
             self.group_tables[group][seq_id][start:] = tail
             self.seq_lens[seq_id] = length
             del self.token_ids[seq_id][length:]
+            if seq_id in self.block_keys:
+                del self.block_keys[seq_id][length // self.block_size:]
             if self.prefix_cache is not None and length % self.block_size:
                 self.prefix_cache.forget(tail[0])  # its last block: partly filled again
         if self.prefix_cache is not None:

@@ -72,7 +72,7 @@ class PagedKVCache:
         enable_prefix_caching: find full blocks again by their token ids, which then come with every append.
         prefix_cache: ``"hash"`` (vLLM's chained block hashes, notebook 06) or ``"radix"`` (SGLang's tree).
         groups: the KV-cache groups (``core.groups.kv_groups``), every layer in exactly one; ``None``: one
-            full-attention group of every layer (notebooks 02-14). Prefix caching takes one group, so far.
+            full-attention group of every layer (notebooks 02-14).
     """
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, kv_heads: int,
@@ -87,7 +87,7 @@ class PagedKVCache:
         sizes, order = checks.new_cache(sizes, dtype, device, free_order, fill,
                                         enable_prefix_caching, prefix_cache)
         self.num_blocks, self.num_layers, self.block_size, self.kv_heads, self.head_dim = sizes
-        self.groups = checks.groups(groups, self.num_layers, enable_prefix_caching)
+        self.groups = checks.groups(groups, self.num_layers)
         scales = checks.check_scales(k_scale, v_scale, dtype, self.kv_heads, device)
         self.k_scale, self.v_scale = scales
         self.dtype = dtype

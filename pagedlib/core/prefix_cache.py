@@ -1,6 +1,10 @@
 """Prefix caching (notebook 06), vLLM's automatic prefix caching: a full block is registered under a key made
 of its parent's key and its token ids, so a prompt that starts with the same tokens attaches it instead of
-computing its K/V again; a registered block nobody holds waits in ``free_queue`` until evicted (LRU)."""
+computing its K/V again; a registered block nobody holds waits in ``free_queue`` until evicted (LRU).
+
+A hybrid model's KV-cache groups (notebook 15) register their blocks under the same keys, each group on its
+own shelf (vLLM keys a block by its hash and its group), and share one ``free_queue``: ``peek_groups``
+finds the longest prefix every group can serve."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from dataclasses import dataclass, field
 
 from pagedlib import figures
 from pagedlib.core import _checks as checks
-from pagedlib.util import as_int
+from pagedlib.core.groups import NULL_BLOCK
+from pagedlib.util import as_int, ceil_div
 
 
 class BlockKey:
@@ -58,7 +63,9 @@ def chained_keys(token_ids: Sequence[int], block_size: int, stop: int | None = N
 class PrefixCache:
     """``keys[b]``: the key of full block ``b``; ``blocks[key]``: the blocks registered with it, oldest first
     (a lookup finds the first; a block computed twice keeps its key, as in vLLM 0.32.0, whose tables only
-    grow); ``free_queue``: registered blocks nobody holds, least recently freed first (evicted next)."""
+    grow); ``free_queue``: registered blocks nobody holds, least recently freed first (evicted next).
+    ``num_groups``: the KV-cache groups, each with its own ``group_blocks[g]`` (``blocks`` is group 0's);
+    a block is registered in one group at a time."""
 
     block_size: int
     keys: dict[int, BlockKey] = field(default_factory=dict)
@@ -67,9 +74,12 @@ class PrefixCache:
     queried_tokens: int = 0
     hit_tokens: int = 0
     evicted_blocks: int = 0
+    num_groups: int = 1
 
     def __post_init__(self) -> None:
         self.block_size = as_int("block_size", self.block_size, minimum=1)
+        self.num_groups = as_int("num_groups", self.num_groups, minimum=1)
+        self.group_blocks = [self.blocks] + [{} for _ in range(self.num_groups - 1)]
 
     def peek(self, token_ids: Sequence[int], keys: Iterable[BlockKey] | None = None) -> list[int]:
         """The registered blocks holding the longest run of full leading blocks of ``token_ids``, at most
@@ -101,10 +111,64 @@ class PrefixCache:
         parent_key = None
         if parent is not None:
             parent_key = self.keys[parent]
-        key = BlockKey(parent_key, tuple(tokens))
+        return self.add(block, BlockKey(parent_key, tuple(tokens)))
+
+    def add(self, block: int, key: BlockKey, group: int = 0) -> int:
+        """Register ``block`` of KV-cache ``group`` under ``key`` (made from the tokens, as vLLM hashes a
+        request's blocks whatever its tables hold: a window group's parent block may be given back).
+        Returns ``block``."""
         self.keys[block] = key
-        self.blocks.setdefault(key, {})[block] = None
+        self.group_blocks[group].setdefault(key, {})[block] = None
         return block
+
+    def peek_groups(self, token_ids: Sequence[int], keys: Sequence[BlockKey] | None,
+                    windows: Sequence[int | None]) -> list[list[int]]:
+        """Each group's blocks for the longest prefix of ``token_ids`` that every group can serve (at most
+        ``len(token_ids) - 1`` tokens), group ``g`` attending over ``windows[g]`` tokens (``None``: full
+        attention), as vLLM 0.32.0's ``HybridKVCacheCoordinator.find_longest_cache_hit`` reconciles them:
+
+        - the full groups walk from the first block while every one of them finds it;
+        - the window groups then search back from that length for the last run of blocks that every one of
+          them finds and that covers a window (``ceil((window - 1) / block_size)`` blocks, at least one;
+          ``SlidingWindowManager.find_longest_cache_hit``), else the run that starts the prompt;
+        - the prefix ends with that run; a full group keeps its blocks up to there, a window group holds the
+          run's blocks past those its window skips (``NULL_BLOCK`` before).
+
+        The lists are all as long as the prefix is in blocks. Counts nothing."""
+        stop = (len(token_ids) - 1) // self.block_size
+        if keys is None:
+            keys = list(chained_keys(token_ids, self.block_size, stop))
+        full = [g for g, window in enumerate(windows) if window is None]
+        length = 0 if full else stop    # blocks every group serves, so far
+        while length < stop and all(keys[length] in self.group_blocks[g] for g in full):
+            length += 1
+        sliding = [g for g, window in enumerate(windows) if window is not None]
+        start = 0                       # a window group's run of found blocks: [start, length)
+        if sliding:
+            start, length = self._window_run(keys, length, windows[sliding[0]], sliding)
+        found = []
+        for g, window in enumerate(windows):
+            first = 0
+            if window is not None:   # the window of the first token after the prefix skips these
+                first = max(start, max(0, length * self.block_size - window + 1) // self.block_size)
+            found.append([NULL_BLOCK] * first + [next(iter(self.group_blocks[g][key]))
+                                                 for key in keys[first:length]])
+        return found
+
+    def _window_run(self, keys: Sequence[BlockKey], length: int, window: int,
+                    groups: Sequence[int]) -> tuple[int, int]:
+        """The last run of blocks before block ``length`` that every one of ``groups`` finds and that covers
+        ``window`` tokens, or the run from block 0 if none does: (its first block, the block after it)."""
+        need = max(1, ceil_div(window - 1, self.block_size))
+        run = 0
+        for index in range(length - 1, -1, -1):
+            if not all(keys[index] in self.group_blocks[g] for g in groups):
+                run = 0
+                continue
+            run += 1
+            if run == need:
+                return index, index + need
+        return 0, run
 
     def is_cached(self, block: int) -> bool:
         """``block`` holds content that a lookup can find (first or after its elders)."""
@@ -122,10 +186,13 @@ class PrefixCache:
         key = self.keys.pop(block, None)
         if key is None:
             return
-        holders = self.blocks[key]
-        del holders[block]
-        if not holders:
-            del self.blocks[key]
+        for shelf in self.group_blocks:  # the block's group's: a block is in one group at a time
+            holders = shelf.get(key)
+            if holders is not None and block in holders:
+                del holders[block]
+                if not holders:
+                    del shelf[key]
+                return
 
     def evict(self) -> int:
         """Take the least recently used block of ``free_queue`` for new content; it forgets its key."""

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedlib.core import _scheduler_checks as checks
-from pagedlib.core.blocks import Reservation
+from pagedlib.core.blocks import Reservation, held
 from pagedlib.core.cache import Batch, PagedKVCache
 from pagedlib.core.connector import ConnectorMeta, KVConnector
 from pagedlib.core.prefix_cache import BlockKey
@@ -116,11 +116,11 @@ class Scheduler:
         """Blocks ``request`` needs to run alone: the most it ever holds, every group together."""
         return self.blocks_of(request.max_kv_len, capped=True)
 
-    def blocks_of(self, num_tokens: int, capped: bool) -> int:
-        """Blocks a new sequence of ``num_tokens`` tokens takes, every group together. ``capped``: a window
-        group's at most what it can hold at once (its window, a step's tokens, a block more: vLLM 0.32.0's
-        ``SlidingWindowSpec.max_admission_blocks_per_request``, the cap of its full-sequence admission
-        test)."""
+    def blocks_of(self, num_tokens: int, capped: bool, found: int = 0) -> int:
+        """Blocks a new sequence of ``num_tokens`` tokens takes beyond the ``found`` cached ones of each
+        group, every group together. ``capped``: a window group's at most what it can hold at once (its
+        window, a step's tokens, a block more: vLLM 0.32.0's ``SlidingWindowSpec.max_admission_blocks_per_
+        request``, the cap of its full-sequence admission test)."""
         blocks = ceil_div(num_tokens, self.block_size)
         step = self.max_num_batched_tokens  # the most tokens a step computes (vLLM's max_in_flight_tokens)
         if step is None:
@@ -128,10 +128,10 @@ class Scheduler:
         total = 0
         for window in self.cache.manager.windows:
             if window is not None and capped:
-                held = ceil_div(min(window - 1 + step, self.max_model_len), self.block_size) + 1
-                total += min(blocks, held)
+                cap = ceil_div(min(window - 1 + step, self.max_model_len), self.block_size) + 1
+                total += max(0, min(blocks, cap) - found)
             else:
-                total += blocks
+                total += blocks - found
         return total
 
     check = checks.new_request  # ValueError unless the request is new, fits the model and, alone, the cache
@@ -286,21 +286,23 @@ class Scheduler:
         plan.counts.connector_tokens += external
         plan.counts.recomputed_tokens += max(0, request.lost_tokens - held)
 
-    def cached_prefix(self, request: Request) -> tuple[list[int], int, int]:
-        """The cached blocks ``attach`` will find for ``request``, the tokens found in all (the radix cache
-        also copies part of a block, into one of the new blocks), and those the connector supplies after
-        the blocks (vLLM's ``get_num_new_matched_tokens``, asked with the prefix cache's hit)."""
+    def cached_prefix(self, request: Request) -> tuple[list[list[int]], int, int]:
+        """The cached blocks ``attach`` will find for ``request`` in each KV-cache group (``find_cached``),
+        the tokens found in all (the radix cache also copies part of a block, into one of the new blocks),
+        and those the connector supplies after the blocks (vLLM's ``get_num_new_matched_tokens``, asked
+        with the prefix cache's hit)."""
         prefix_cache = self.cache.prefix_cache
-        found: list[int] = []
+        found = [[] for _ in self.cache.groups]
         if prefix_cache is not None:
-            found = prefix_cache.peek(request.token_ids, self.prompt_keys(request))
+            found = self.cache.manager.find_cached(request.token_ids, self.prompt_keys(request))
+        hit = len(found[0]) * self.block_size  # every group's list is as long
         external = 0
         if self.connector is not None:
-            external = self.connector.get_num_new_matched_tokens(request, len(found) * self.block_size)
-            checks.offered(external, request.num_tokens - 1 - len(found) * self.block_size)
-        tokens = len(found) * self.block_size + external
+            external = self.connector.get_num_new_matched_tokens(request, hit)
+            checks.offered(external, request.num_tokens - 1 - hit)
+        tokens = hit + external
         if isinstance(prefix_cache, RadixCache) and not external:
-            tokens += prefix_cache.partial_match(request.token_ids, found, self.journal.registered)[1]
+            tokens += prefix_cache.partial_match(request.token_ids, found[0], self.journal.registered)[1]
         return found, tokens, external
 
     def prompt_keys(self, request: Request) -> list[BlockKey] | None:
@@ -315,17 +317,17 @@ class Scheduler:
         preempted one included, at most ``max_model_len``."""
         return min(request.num_tokens, self.max_model_len)
 
-    def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
+    def fits(self, request: Request, found: list[list[int]], num_tokens: int) -> bool:
         """vLLM 0.32.0's admission tests (``KVCacheManager.allocate_slots``): the blocks a sequence of
-        ``num_tokens`` (the first chunk) takes beside the cached ``found`` (a found block nobody holds leaves
-        the free ones when attached), plus the watermark while anything runs, must be free; and with
-        ``full_prompt_must_fit``, those of its whole current length, outputs of a preempted one included (a
-        window group's capped at what it can hold at once). Every group's blocks count."""
-        revived = sum(self.cache.ref_count(block) == 0 for block in found)
-        tests = [self.blocks_of(num_tokens, capped=False)]
+        ``num_tokens`` (the first chunk) takes beside the cached ones ``found`` in each group (a found block
+        nobody holds leaves the free ones when attached), plus the watermark while anything runs, must be
+        free; and with ``full_prompt_must_fit``, those of its whole current length, outputs of a preempted
+        one included (a window group's capped at what it can hold at once). Every group's blocks count."""
+        revived = sum(self.cache.ref_count(block) == 0 for blocks in found for block in held(blocks))
+        tests = [self.blocks_of(num_tokens, capped=False, found=len(found[0]))]
         if self.full_prompt_must_fit:
-            tests.append(self.blocks_of(self.admission_tokens(request), capped=True))
-        need = max(tests) - len(found) + revived
+            tests.append(self.blocks_of(self.admission_tokens(request), capped=True, found=len(found[0])))
+        need = max(tests) + revived
         if self.running:
             need += self.watermark_blocks
         return need <= self.cache.num_free_blocks

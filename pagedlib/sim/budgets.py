@@ -85,7 +85,7 @@ class SlabScheduler(Scheduler):
     def blocks_for(self, request: Request, n: int) -> int:
         return 0  # the slab covers every token the request will write
 
-    def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
+    def fits(self, request: Request, found: list[list[int]], num_tokens: int) -> bool:
         """Place the request's slab (it then holds every token the request will write), or say no hole
         holds it."""
         return self.slots.allocate(request.req_id, self.reservation(request)) is not None

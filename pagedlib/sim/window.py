@@ -82,10 +82,10 @@ class WindowScheduler(Scheduler):
         behind = max(0, request.num_tokens - self.window)
         return behind // self.block_size * self.block_size
 
-    def cached_prefix(self, request: Request) -> tuple[list[int], int, int]:
-        return [], self.first_stored(request), 0  # the tokens before need no block; no connector
+    def cached_prefix(self, request: Request) -> tuple[list[list[int]], int, int]:
+        return [[]], self.first_stored(request), 0  # the tokens before need no block; no connector
 
-    def fits(self, request: Request, found: list[int], num_tokens: int) -> bool:
+    def fits(self, request: Request, found: list[list[int]], num_tokens: int) -> bool:
         return super().fits(request, found, num_tokens - self.first_stored(request))
 
     def admission_tokens(self, request: Request) -> int:

@@ -255,7 +255,10 @@ def build_llm(config: BridgeConfig) -> Any:
                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05,
                long_prefill_token_threshold=config.long_prefill_token_threshold, watermark=config.watermark,
-               scheduler_reserve_full_isl=config.scheduler_reserve_full_isl)
+               scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
+               # a window group caches every full block, as pagedlib's does (vLLM's dense retention; its
+               # served default 0 keeps only a few: notebook 15); a model of full attention only ignores it
+               prefix_cache_retention_interval=None)
 
 
 def kv_transfer_config(config: BridgeConfig) -> Any:
