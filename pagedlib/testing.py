@@ -202,7 +202,8 @@ def check_hash_cache(prefix_cache: Any, manager: BlockManager) -> str | None:
 def _check_group_keys(prefix_cache: Any, manager: BlockManager, shelves: list[dict]) -> str | None:
     """``check_hash_cache`` over KV-cache groups (notebook 15): every full block a group's table holds has
     the chained key of the sequence's tokens up to it, on that group's shelf (a window group's parent may
-    be given back, so the keys are made again from the token ids), and no partly filled block has a key."""
+    be given back, so the keys are made again from the token ids), and no partly filled block has a key, nor
+    any block of a window of 1 (which registers none, as vLLM keeps none)."""
     block_size = prefix_cache.block_size
     for seq_id, tokens in manager.token_ids.items():
         keys = list(chained_keys(tokens, block_size))
@@ -212,9 +213,9 @@ def _check_group_keys(prefix_cache: Any, manager: BlockManager, shelves: list[di
                 if block == NULL_BLOCK:
                     continue
                 key = prefix_cache.keys.get(block)
-                if index >= len(keys):
+                if index >= len(keys) or manager.windows[group] == 1:
                     if key is not None:
-                        return f"block {block}, partly filled in sequence {seq_id!r}, has a key"
+                        return f"block {block} of sequence {seq_id!r} in group {group} has a key"
                 elif key != keys[index] or block not in shelves[group].get(key, ()):
                     return (f"full block {block} of sequence {seq_id!r} in group {group} has key {key}, not "
                             f"the key of its tokens in that group")

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedlib.core.blocks import BlockManager
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.groups import FULL, NULL_BLOCK, SLIDING, KVGroup, kv_groups
 from pagedlib.core.kv_pool import KVPool
@@ -405,14 +404,6 @@ def test_padded_group_leaves_its_last_index_unused():
 def test_bad_groups_name_the_argument(groups, message):
     with pytest.raises(ValueError, match=message):
         PagedKVCache(4, L, 2, H, D, groups=groups)
-
-
-def test_prefix_caching_across_groups_is_refused_for_now():
-    with pytest.raises(ValueError, match="enable_prefix_caching with several KV-cache groups .* not supp"):
-        PagedKVCache(4, L, 2, H, D, groups=HYBRID, enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="not supported yet"):
-        BlockManager(4, 2, enable_prefix_caching=True, groups=HYBRID)
-    PagedKVCache(4, L, 2, H, D, groups=kv_groups(None, None, L), enable_prefix_caching=True)  # one: fine
 
 
 def test_invariant_7_catches_a_window_table_out_of_step():

@@ -404,12 +404,16 @@ class BlockManager:
     def _register_groups(self, seq_id: Hashable, length: int, record: Reservation) -> None:
         """``_register`` over KV-cache groups: each group's blocks filled past ``length`` under the chained
         keys of the sequence's tokens (a window group's block given back is not registered again; vLLM's
-        ``cache_full_blocks`` skips its null blocks)."""
+        ``cache_full_blocks`` skips its null blocks). A window of 1 token needs no block before a hit, and
+        vLLM 0.32.0 keeps none of its group (``SlidingWindowManager.reachable_block_mask``: no block
+        reachable), so that group registers nothing and never serves a hit."""
         keys = self.block_keys[seq_id]
         full = self.seq_lens[seq_id] // self.block_size
         parent = keys[-1] if keys else None
         keys += chained_keys(self.token_ids[seq_id], self.block_size, full, len(keys), parent)
         for group, tables in enumerate(self.group_tables):
+            if self.windows[group] == 1:
+                continue
             table = tables[seq_id]
             for index in range(length // self.block_size, full):
                 if table[index] != NULL_BLOCK:

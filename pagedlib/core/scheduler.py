@@ -182,16 +182,28 @@ class Scheduler:
             n = self.chunk_size(plan, request.num_uncomputed_tokens)
             if n == 0 or request.status is not Status.RUNNING:
                 break
+            self.give_back(request)
             # the newest requests lose their blocks until this one's fit (it may be the newest)
             while self.blocks_for(request, n) > self.cache.num_free_blocks:
                 plan.preempted.append(self.preempt())
                 if request.status is not Status.RUNNING:
+                    if self.cache.manager.has_window:
+                        self.journal.changes.pop()  # its give-back: nothing of it is left to undo
                     return
             if request.num_uncomputed_tokens == 1 and request.output_tokens:  # then n is 1
                 plan.decode.append(request)
             else:
                 plan.prefill.append((request, n))
             self.allocate(plan, request, n)
+
+    def give_back(self, request: Request) -> None:
+        """``request``'s window groups give back the blocks wholly before its window before anything is
+        counted, even if it or others are then preempted, as vLLM's ``allocate_slots`` frees them first (the
+        order the pool's free queue then holds them in is vLLM's)."""
+        if self.cache.manager.has_window:
+            record = Reservation()
+            self.cache.manager.give_back(request.req_id, record)
+            self.journal.changes.append(record)
 
     def chunk_size(self, plan: StepPlan, uncomputed: int) -> int:
         """How many of ``uncomputed`` tokens fit in what the step's budget and the chunk cap leave."""
