@@ -25,7 +25,7 @@ __all__ = ["InvariantError", "block_holders", "block_owners", "check_hash_cache"
 # what state_diff compares: the attributes of a PagedKVCache
 STATE = ("k", "v", "free", "tables", "seq_lens", "ref_counts", "cow_copies", "prefix_cache", "token_ids")
 # and, for a cache of several KV-cache groups or a window group (notebook 15), the manager's
-GROUP_STATE = ("group_tables", "computed")
+GROUP_STATE = ("group_tables", "computed", "block_keys")
 
 
 def group_tables(manager: Any) -> list[dict[Hashable, list[int]]]:
@@ -203,19 +203,25 @@ def _check_group_keys(prefix_cache: Any, manager: BlockManager, shelves: list[di
     """``check_hash_cache`` over KV-cache groups (notebook 15): every full block a group's table holds has
     the chained key of the sequence's tokens up to it, on that group's shelf (a window group's parent may
     be given back, so the keys are made again from the token ids), and no partly filled block has a key, nor
-    any block of a window of 1 (which registers none, as vLLM keeps none)."""
+    any block of a window of 1 (which registers none, as vLLM keeps none). A window group's block that its
+    next reservation gives back may have lost its key: an undone step restores it after the pool evicted it
+    (``BlockManager.undo``)."""
     block_size = prefix_cache.block_size
     for seq_id, tokens in manager.token_ids.items():
         keys = list(chained_keys(tokens, block_size))
         for group, tables in enumerate(manager.group_tables):
             table = tables[seq_id]
+            window = manager.windows[group]
+            leaving = 0 if window is None else max(0, len(tokens) - window + 1) // block_size
             for index, block in enumerate(table):
                 if block == NULL_BLOCK:
                     continue
                 key = prefix_cache.keys.get(block)
-                if index >= len(keys) or manager.windows[group] == 1:
+                if index >= len(keys) or window == 1:
                     if key is not None:
                         return f"block {block} of sequence {seq_id!r} in group {group} has a key"
+                elif key is None and index < leaving:
+                    continue
                 elif key != keys[index] or block not in shelves[group].get(key, ()):
                     return (f"full block {block} of sequence {seq_id!r} in group {group} has key {key}, not "
                             f"the key of its tokens in that group")
@@ -316,7 +322,7 @@ def block_owners(cache: Any) -> list[Hashable | None]:
 def state_diff(after: Any, before: Any) -> list[str]:
     """Names of the attributes in which the ``PagedKVCache`` ``after`` differs from ``before`` (a
     ``copy.deepcopy``), pools bit for bit with NaN equal to NaN: ``[]`` means a failed call changed
-    nothing. With KV-cache groups, ``group_tables`` and ``computed`` too."""
+    nothing. With KV-cache groups, ``group_tables``, ``computed`` and ``block_keys`` too."""
     names = [name for name in STATE if not _same(getattr(after, name), getattr(before, name))]
     if getattr(getattr(after, "manager", None), "windows", (None,)) != (None,):
         names += [name for name in GROUP_STATE

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from helpers import assert_unchanged, snapshot
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -380,3 +381,50 @@ def read_back(cache: PagedKVCache, request: Request, groups: Sequence[KVGroup]) 
         for layer in group.layers:
             assert k[layer, gone:].flatten().tolist() == list(range(gone, length))
             assert v[layer, gone:].flatten().tolist() == request.token_ids[gone:length]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=shared_workloads(), block_size=st.sampled_from([1, 2, 4]), window=st.sampled_from([2, 3, 6]),
+       budget=st.sampled_from([None, 5]), spare=st.integers(0, 6), fail_at=st.sets(st.integers(0, 40)))
+def test_a_failed_step_is_undone_whole(requests, block_size, window, budget, spare, fail_at):
+    """A step whose forward pass fails is undone: admissions with hits, the registrations, the window's
+    blocks given back before the count, all of it; the cache is as before ``schedule`` (bookkeeping, every
+    group's shelf, the sequences' keys; a cached block evicted for the step comes back plain, as
+    ``BlockManager.undo`` says) and the step runs when planned again."""
+    groups = kv_groups([SLIDING, FULL, SLIDING, FULL], window, 4)
+    probe = Scheduler(PagedKVCache(1, 4, block_size, 1, 1, groups=groups), max_model_len=64,
+                      max_num_batched_tokens=budget)
+    alone = max(probe.blocks_alone(r) for r in requests)
+    cache = PagedKVCache(alone + spare, 4, block_size, 1, 1, groups=groups, enable_prefix_caching=True)
+    sched = Scheduler(cache, max_model_len=64, max_num_batched_tokens=budget)
+    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+    undone = 0
+    for step in range(10_000):
+        while pending and pending[0].arrival <= step:
+            sched.add(pending.pop(0))
+        if not (pending or sched.has_unfinished):
+            break
+        if step in fail_at and not any(r.status.name == "PREEMPTED" for r in sched.requests.values()):
+            snap, evicted = snapshot(cache), cache.prefix_cache.evicted_blocks
+            plan = sched.schedule()
+            sched.undo(plan)
+            check_invariants(cache)
+            # a preemption stays (its blocks may be reused already), an evicted block's key is gone
+            if not plan.preempted and cache.prefix_cache.evicted_blocks == evicted:
+                unchanged_but_lru(cache, snap)
+                undone += 1
+        plan = sched.schedule()
+        write(sched, plan)
+        sched.update(plan, [7 for _ in plan.work])
+        check_invariants(cache)
+    assert not cache.seq_lens and cache.num_free_blocks == cache.num_blocks
+    event(f"undone: {min(undone, 1)}")
+
+
+def unchanged_but_lru(cache: PagedKVCache, snap: PagedKVCache) -> None:
+    """``assert_unchanged``, except the order of the cached free blocks: an undone admission's hit blocks
+    return to the back of the queue (the scheduler's undo does not keep their age)."""
+    now, before = cache.prefix_cache, snap.prefix_cache
+    assert set(now.free_queue) == set(before.free_queue)
+    now.free_queue = type(now.free_queue)((block, None) for block in before.free_queue)
+    assert_unchanged(cache, snap)

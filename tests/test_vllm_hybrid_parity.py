@@ -3,7 +3,10 @@ through seeded workloads: the same tokens, and step by step the same schedule, t
 KV-cache group's table (given-back blocks as ``NULL_BLOCK`` in both), the same free blocks and preemptions.
 
 The workloads are drawn at random from a seed: prompts longer than the 48-token window, a budget that cuts
-prompts into chunks, and a pool small enough that requests are preempted."""
+prompts into chunks, and a pool small enough that requests are preempted. With prefix caching (pagedlib keeps
+every full block of every group findable; the bridge runs vLLM with ``prefix_cache_retention_interval=None``,
+which does the same) most prompts share part of a text and the pool is smaller still: hits across both
+groups, cached blocks evicted."""
 
 from __future__ import annotations
 
@@ -63,9 +66,27 @@ def hybrid_workload(seed: int, model, folder) -> tuple[list[Arrival], Engine]:
     return workload, engine
 
 
-def compare(seed: int, hybrid, vllm) -> list:
+def cached_workload(seed: int, model, folder) -> tuple[list[Arrival], Engine]:
+    """Four to nine requests, most starting with part of one text, over the first 12 steps; a pool of 8 to
+    12 blocks (prefix caching on)."""
+    rng = random.Random(seed)
+    engine = Engine(model, rng.randrange(8, 13), BLOCK, enable_prefix_caching=True, max_num_seqs=8,
+                    max_num_batched_tokens=rng.choice([48, 64, 96, 128]))
+    limit = max_model_len(config_of(engine, folder))
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(40, 160))]
+    workload = []
+    for i in range(rng.randrange(4, 10)):
+        own = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 130))]
+        if rng.random() < 0.7:
+            own = shared[:rng.randrange(len(shared) // 2, len(shared) + 1)] + own
+        new = rng.randrange(2, 40)
+        workload.append(Arrival(f"r{i}", own[:limit - new], new, step=rng.randrange(0, 12)))
+    return workload, engine
+
+
+def compare(seed: int, hybrid, vllm, caching: bool = False) -> list:
     """Run one seed's workload through both engines: the same tokens; their step records."""
-    workload, engine = hybrid_workload(seed, *hybrid)
+    workload, engine = (cached_workload if caching else hybrid_workload)(seed, *hybrid)
     ours, our_tokens = run_engine(engine, workload)
     theirs, their_tokens = vllm.run(config_of(engine, hybrid[1]), workload)
     assert our_tokens == their_tokens
@@ -91,3 +112,21 @@ def test_the_seeds_preempt_and_split_prompts(hybrid):
         chunked += any(n < len(a.prompt) for a in workload for record in ours
                        for name, n in record.scheduled.items() if name == a.name and n > 1)
     assert preempted > 0 and chunked > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_with_prefix_caching_the_engine_finds_and_evicts_what_vllm_does(seed, hybrid, vllm):
+    ours, theirs = compare(seed, hybrid, vllm, caching=True)
+    assert differences(ours, theirs) == []
+
+
+def test_the_cached_seeds_hit_preempt_and_evict(hybrid):
+    """The prefix-caching seeds reach hits past the window, preemptions and evictions of cached blocks."""
+    hits = preempted = evicted = 0
+    for seed in range(8):
+        workload, engine = cached_workload(seed, *hybrid)
+        ours, _ = run_engine(engine, workload)
+        hits += sum(n > 48 for record in ours for n in record.hits.values())
+        preempted += sum(len(record.preempted) for record in ours)
+        evicted += engine.cache.prefix_cache.evicted_blocks
+    assert hits > 0 and preempted > 0 and evicted > 0

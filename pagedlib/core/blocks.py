@@ -429,7 +429,9 @@ class BlockManager:
 
     def undo(self, record: Reservation) -> None:
         """Put back everything ``record`` did (the last reservation not yet committed); cached blocks
-        evicted to make room come back as plain free blocks."""
+        evicted to make room come back as plain free blocks, and a window group's block given back and
+        evicted since comes back to its table without its key (its K/V may be overwritten: the window never
+        reads it again, and the next reservation gives it back)."""
         self.release([found for _, _, _, found in record.swaps])
         record.swaps.clear()
         for group, seq_id, start, tail, length in reversed(record.sequences):

@@ -75,6 +75,7 @@ class PrefixCache:
     hit_tokens: int = 0
     evicted_blocks: int = 0
     num_groups: int = 1
+    group_blocks: list[dict[BlockKey, dict[int, None]]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.block_size = as_int("block_size", self.block_size, minimum=1)
