@@ -119,8 +119,8 @@ class Scheduler:
     def blocks_of(self, num_tokens: int, capped: bool, found: int = 0) -> int:
         """Blocks a new sequence of ``num_tokens`` tokens takes beyond the ``found`` cached ones of each
         group, every group together. ``capped``: a window group's at most what it can hold at once (its
-        window, a step's tokens, a block more: vLLM 0.32.0's ``SlidingWindowSpec.max_admission_blocks_per_
-        request``, the cap of its full-sequence admission test)."""
+        window, a step's tokens, a block more), the cap of vLLM 0.32.0's full-sequence admission test
+        (``SlidingWindowSpec.max_admission_blocks_per_request``)."""
         blocks = ceil_div(num_tokens, self.block_size)
         step = self.max_num_batched_tokens  # the most tokens a step computes (vLLM's max_in_flight_tokens)
         if step is None:
