@@ -169,6 +169,9 @@ def test_vllm_available_checks_that_the_pinned_vllm_imports(init, why, monkeypat
     ({"max_num_seqs": 300}, "max_num_seqs=300: vLLM needs max_num_batched_tokens"),
     ({"watermark": 1.0}, "watermark=1.0"),
     ({"kv_role": "both"}, "kv_role='both'"),
+    ({"prefix_cache_retention_interval": 16}, "prefix_cache_retention_interval=16 must be a multiple of "
+                                              "block_size=32"),
+    ({"prefix_cache_retention_interval": -32}, "prefix_cache_retention_interval must be >= 0"),
 ])
 def test_a_bridge_config_built_by_hand_is_checked_as_config_of_checks(settings, match):
     from pagedlib.vllm.bridge import BridgeConfig

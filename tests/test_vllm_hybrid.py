@@ -286,7 +286,9 @@ def test_a_step_that_samples_needs_its_token():
 
 # ---- vLLM serving the tiny hybrid model (window 48) --------------------------------------------------------
 
-SERVED = BridgeConfig(num_blocks=48, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
+# as vLLM serves it: a window group keeps only some of its blocks findable (retention 0)
+SERVED = BridgeConfig(num_blocks=48, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
+                      prefix_cache_retention_interval=0)
 
 
 @pytest.fixture(scope="module")
@@ -373,7 +375,8 @@ def test_the_manager_replaying_the_served_schedule_holds_the_same_blocks(hybrid,
     assert [group.kind for group in groups] == [SLIDING, FULL]
     replayed = replay_schedule(groups, workload, records, tokens, block_size=config.block_size,
                                num_blocks=config.num_blocks, max_model_len=max_model_len(config),
-                               max_num_batched_tokens=config.max_num_batched_tokens)
+                               max_num_batched_tokens=config.max_num_batched_tokens,
+                               retention_interval=config.prefix_cache_retention_interval)
     assert differences(records, replayed) == []
 
 

@@ -67,6 +67,10 @@ class BridgeConfig:
     kv_store: str = ""                      # a KVStore folder vLLM loads and saves blocks in (notebook 14)
     kv_role: str = "kv_both"                # kv_producer saves only, kv_consumer loads only, kv_both both
     kv_model: str = ""                      # the store's name for the model (default: its fingerprint)
+    # which full blocks a sliding-window group keeps findable (notebook 15): None, every one, as pagedlib
+    # does; 0, what ``vllm serve`` runs with, only the last window before a prompt's last block boundary and
+    # before a shared prefix a lookup found (a multiple of block_size: also one window per that many tokens)
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         """What ``config_of`` checks, for a config built by hand: ``ValueError`` naming the field, before
@@ -74,6 +78,11 @@ class BridgeConfig:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             as_int(name, getattr(self, name), minimum=1)
         as_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        if self.prefix_cache_retention_interval is not None:
+            retention = as_int("prefix_cache_retention_interval", self.prefix_cache_retention_interval,
+                               minimum=0)
+            refuse((retention % self.block_size, f"prefix_cache_retention_interval={retention} must be a "
+                                                 f"multiple of block_size={self.block_size} (vLLM's rule)"))
         refuse((self.block_size % 32,
                 f"block_size={self.block_size}: vLLM's CPU attention takes multiples of 32 only"),
                (self.max_num_seqs > self.max_num_batched_tokens,
@@ -256,9 +265,7 @@ def build_llm(config: BridgeConfig) -> Any:
                enable_prefix_caching=config.enable_prefix_caching, gpu_memory_utilization=0.05,
                long_prefill_token_threshold=config.long_prefill_token_threshold, watermark=config.watermark,
                scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
-               # a window group caches every full block, as pagedlib's does (vLLM's dense retention; its
-               # served default 0 keeps only a few: notebook 15); a model of full attention only ignores it
-               prefix_cache_retention_interval=None)
+               prefix_cache_retention_interval=config.prefix_cache_retention_interval)
 
 
 def kv_transfer_config(config: BridgeConfig) -> Any:
