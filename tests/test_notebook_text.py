@@ -322,8 +322,11 @@ def unprinted(markdown: str, printed: set[float], sections: frozenset[str] = fro
 
 
 def _code_and_outputs(cells: list[dict]) -> str:
+    """The code, and the outputs nbval compares: a cell marked ``NBVAL_IGNORE_OUTPUT`` prints timings or
+    another run's numbers, which change from run to run and are no evidence for the prose."""
     return "\n".join(["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
-                     + [t for c in cells for t in _outputs(c)])
+                     + [t for c in cells if "NBVAL_IGNORE_OUTPUT" not in "".join(c["source"])
+                        for t in _outputs(c)])
 
 
 RAW_DATA_BYTES = 100_000
