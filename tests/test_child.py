@@ -154,9 +154,9 @@ def test_a_decode_process_that_dies_is_a_runtime_error(monkeypatch, tmp_path, as
 
 
 def test_a_silent_offload_child_is_a_runtime_error_and_a_slow_one_times_out(monkeypatch, as_caller):
-    from pagedlib.vllm import offload
+    from pagedlib.vllm import bridge, offload
 
-    monkeypatch.setattr(offload, "vllm_available", lambda: (True, ""))
+    monkeypatch.setattr(bridge, "vllm_available", lambda: (True, ""))
     monkeypatch.setattr(offload, "CHILD_MODULE", "childish")
     as_caller("silent")
     with pytest.raises(RuntimeError, match="python -m childish exited with 0 without answering"):

@@ -410,7 +410,7 @@ def test_the_oracle_checks_its_arguments():
 
 
 def test_the_oracle_says_why_vllm_cannot_run(monkeypatch):
-    monkeypatch.setattr("pagedlib.vllm.offload.vllm_available", lambda: (False, "no vLLM on this machine"))
+    monkeypatch.setattr("pagedlib.vllm.bridge.vllm_available", lambda: (False, "no vLLM on this machine"))
     with pytest.raises(RuntimeError, match="no vLLM on this machine"):
         vllm_manager_hits([[1]], 4)
 
@@ -421,7 +421,7 @@ def test_a_failing_child_is_a_runtime_error_quoting_its_stderr(monkeypatch, tmp_
     fake.write_text("#!/bin/sh\ncat > /dev/null\necho 'first line' >&2\necho 'ImportError: no vllm' >&2\n"
                     "exit 3\n")
     fake.chmod(0o755)
-    monkeypatch.setattr("pagedlib.vllm.offload.vllm_available", lambda: (True, ""))
+    monkeypatch.setattr("pagedlib.vllm.bridge.vllm_available", lambda: (True, ""))
     monkeypatch.setattr(sys, "executable", str(fake))
     with pytest.raises(RuntimeError, match="exited with 3") as error:
         vllm_manager_hits([[1]], 4)

@@ -149,6 +149,33 @@ def _installed_version() -> str | None:
     return None
 
 
+QUIET_VLLM = {                               # a child that imports vLLM: no INFO lines from the import,
+    "VLLM_LOGGING_LEVEL": "WARNING",          # and its log on stderr (stdout carries the answers)
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
+
+
+def ask_vllm(module: str, jobs: list[dict[str, Any]], items: str, what: str, timeout: float) -> list[list]:
+    """Run ``jobs`` in one child (``python -m module``, through ``pagedlib.child``) that imports vLLM: one
+    answer per job, each a list as long as the job's ``items``. The oracles of ``offload`` and ``hybrid``
+    replay their runs this way. ``RuntimeError`` naming ``what`` where vLLM is missing, the child fails (its
+    stderr quoted) or answers the wrong number of runs or items; ``ValueError`` where the child refused a
+    job's input; ``TimeoutError`` (the child stopped) after ``timeout`` seconds."""
+    available, why = vllm_available()
+    if not available:
+        raise RuntimeError(f"{what} cannot run: {why}")
+    try:
+        answer = run_child(module, jobs, timeout, env=QUIET_VLLM)
+    except ChildError as error:
+        if error.error and error.error.startswith("ValueError: "):     # input the child's replay refused
+            raise ValueError(error.error.removeprefix("ValueError: ")) from None
+        raise RuntimeError(f"{what} failed: {error}\n{error.stderr}") from None
+    if len(answer) != len(jobs) or any(len(a) != len(job[items]) for a, job in zip(answer, jobs)):
+        raise RuntimeError(f"the vLLM child of {what} answered {len(answer)} runs for {len(jobs)}, or a run "
+                           f"with another count of answers than its {items}")
+    return answer
+
+
 def config_of(engine: Any, model: str | Path = TINY_MODEL) -> BridgeConfig:
     """The shared settings of an ``Engine`` built with a token budget (vLLM V1 has no whole-prompt mode):
     every setting that changes a decision, or ``ValueError`` naming one vLLM cannot take (the block size

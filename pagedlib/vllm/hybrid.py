@@ -11,7 +11,7 @@ and returns the manager's own ``StepRecord`` s for it, which ``bridge.difference
 vLLM's tables for the engine's schedule, with no model in vLLM. Replaying what vLLM itself served on the tiny
 hybrid model gives back its blocks step for step (``tests/test_vllm_hybrid.py``).
 
-The manager runs in a child process (``python -m pagedlib.vllm.hybrid``, through ``pagedlib.child``):
+The manager runs in a child process (``python -m pagedlib.vllm.hybrid``, started by ``bridge.ask_vllm``):
 importing ``vllm.v1.core.kv_cache_manager`` takes seconds, loads some 3,500 modules, sets
 ``TORCHINDUCTOR_COMPILE_THREADS`` and three more variables in the importing process and turns vLLM's Triton
 use off there, so the caller's process never imports it.
@@ -64,16 +64,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagedlib.child import ChildError, run_child, serve
+from pagedlib.child import serve
 from pagedlib.core.groups import FULL, LAYER_KINDS, NULL_BLOCK, SLIDING, KVGroup
 from pagedlib.util import as_int, refuse
-from pagedlib.vllm.bridge import Arrival, StepRecord, vllm_available
+from pagedlib.vllm.bridge import Arrival, StepRecord, ask_vllm
 
 CHILD_MODULE = "pagedlib.vllm.hybrid"    # the child (``python -m``): this file
-CHILD_ENV = {
-    "VLLM_LOGGING_LEVEL": "WARNING",              # no INFO lines from the import
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",    # stdout carries the answer
-}
 SERVE_RETENTION = 0       # vLLM 0.32.0's ``CacheConfig.prefix_cache_retention_interval`` default
 
 
@@ -159,18 +155,7 @@ def vllm_hybrid_runs(runs: Sequence[dict[str, Any]], timeout: float = 300.0) -> 
     """``vllm_hybrid_run`` for each of ``runs`` (its keyword arguments, ``groups`` and ``ops`` included), each
     on a fresh manager, all in one child process (vLLM's import takes most of the time)."""
     jobs = [_job(number, **run) for number, run in enumerate(runs)]
-    available, why = vllm_available()
-    if not available:
-        raise RuntimeError(f"vLLM's KV-cache manager cannot run: {why}")
-    try:
-        answer = run_child(CHILD_MODULE, jobs, timeout, env=CHILD_ENV)
-    except ChildError as error:
-        if error.error and error.error.startswith("ValueError: "):     # an op vLLM's replay refused
-            raise ValueError(error.error.removeprefix("ValueError: ")) from None
-        raise RuntimeError(f"vLLM's KV-cache manager failed: {error}\n{error.stderr}") from None
-    if len(answer) != len(jobs) or any(len(a) != len(job["ops"]) for a, job in zip(answer, jobs)):
-        raise RuntimeError(f"the vLLM child answered {len(answer)} runs for {len(jobs)}, or a run with "
-                           f"another count of states than its ops")
+    answer = ask_vllm(CHILD_MODULE, jobs, "ops", "vLLM's KV-cache manager", timeout)
     return [[HybridState(**state) for state in run] for run in answer]
 
 

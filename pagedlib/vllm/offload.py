@@ -1,8 +1,8 @@
 """vLLM's own host tier over a trace: ``CPUOffloadingManager`` (0.32.0), the oracle of ``HostCache``
 (notebook 13, ``tests/test_trace.py``).
 
-The manager runs in a child process (``python -m pagedlib.vllm.offload``, started and guarded by
-``pagedlib.child.run_child``): importing vLLM takes seconds and leaves threads and logging set up in the
+The manager runs in a child process (``python -m pagedlib.vllm.offload``, started by ``bridge.ask_vllm``
+and guarded by ``pagedlib.child``): importing vLLM takes seconds and leaves threads and logging set up in the
 process that does it, so the caller's process never imports it. The runs' hash ids go in as one JSON job;
 each run's hits per request come back as its answer.
 
@@ -17,15 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pagedlib.child import ChildError, run_child, serve
+from pagedlib.child import serve
 from pagedlib.util import as_int
-from pagedlib.vllm.bridge import vllm_available
+from pagedlib.vllm.bridge import ask_vllm
 
 POLICIES = ("lru", "arc")          # the policies vLLM's CachePolicyFactory builds in
-CHILD_ENV = {
-    "VLLM_LOGGING_LEVEL": "WARNING",              # no INFO lines from the import
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",    # stdout carries the answer
-}
 ID_RANGE = (-(2**63), 2**63)       # an id becomes the 8 bytes of a block hash
 CHILD_MODULE = "pagedlib.vllm.offload"   # the child (``python -m``): this file
 
@@ -48,17 +44,7 @@ def vllm_manager_runs(runs: Sequence[tuple[Iterable[Any], int, str]], timeout: f
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         jobs.append({"requests": [_hash_ids(request, n) for n, request in enumerate(requests)],
                      "num_blocks": as_int("num_blocks", num_blocks, minimum=1), "policy": policy})
-    available, why = vllm_available()
-    if not available:
-        raise RuntimeError(f"vLLM's offloading manager cannot run: {why}")
-    try:
-        answer = run_child(CHILD_MODULE, jobs, timeout, env=CHILD_ENV)
-    except ChildError as error:
-        raise RuntimeError(f"vLLM's offloading manager failed: {error}") from None
-    if len(answer) != len(jobs) or any(len(a) != len(job["requests"]) for a, job in zip(answer, jobs)):
-        raise RuntimeError(f"the vLLM child answered {len(answer)} runs for {len(jobs)}, or a run with "
-                           f"another count of requests than it was given")
-    return answer
+    return ask_vllm(CHILD_MODULE, jobs, "requests", "vLLM's offloading manager", timeout)
 
 
 def _hash_ids(request: Any, number: int) -> list[int]:
