@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,36 @@ def assert_unchanged(c: PagedKVCache, snap: PagedKVCache) -> None:
     """``c`` is bit-for-bit what ``snapshot`` saw (NaN slots included), and still consistent."""
     assert state_diff(c, snap) == [], f"changed: {state_diff(c, snap)}"
     check_invariants(c)
+
+
+def arrival_steps(sched, requests) -> Iterator[int]:
+    """Each step's number, once the ``requests`` arriving by it are added to ``sched``, until every request
+    has finished (the caller plans and runs the step)."""
+    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+    for step in range(10_000):
+        while pending and pending[0].arrival <= step:
+            sched.add(pending.pop(0))
+        if not (pending or sched.has_unfinished):
+            return
+        yield step
+    raise AssertionError("the requests did not finish in 10,000 steps")
+
+
+def write_step_kv(sched, plan, value: str) -> None:
+    """What a forward pass writes into each KV-cache group's new slots of ``plan``, for the group's layers
+    (1 head, head_dim 1): K = the token's position, V = its request's id (``value="request"``) or the token's
+    id (``value="token"``, the same for every request that shares the token)."""
+    cache, batch = sched.cache, plan.batch
+    positions, values = [], []
+    for request, n in plan.work:
+        positions += range(request.num_computed_tokens, request.num_computed_tokens + n)
+        values += [request.req_id] * n if value == "request" else request.next_token_ids(n)
+    group_slots = batch.group_slots if batch.group_slots is not None else [batch.slots]
+    for group, slots in zip(cache.groups, group_slots):
+        shape = (len(group.layers), len(positions), 1, 1)
+        k = torch.tensor(positions, dtype=cache.dtype).view(1, -1, 1, 1).expand(shape).contiguous()
+        v = torch.tensor(values, dtype=cache.dtype).view(1, -1, 1, 1).expand(shape).contiguous()
+        cache.pool.write([slot for row in slots for slot in row], k, v)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,8 +16,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
-import torch
-from helpers import assert_unchanged, snapshot
+from helpers import arrival_steps, assert_unchanged, snapshot, write_step_kv
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -333,22 +332,13 @@ def test_scheduler_with_prefix_caching_across_groups(requests, block_size, windo
     block its groups still hold, the K/V of its own tokens (K = position, V = token id), whether its blocks
     were attached from the cache or computed; every request finishes and nothing leaks."""
     groups = kv_groups(layer_types, window, 4)
-    probe = Scheduler(PagedKVCache(1, 4, block_size, 1, 1, groups=groups), max_model_len=64,
-                      max_num_batched_tokens=budget)
-    alone = max(probe.blocks_alone(r) for r in requests)
-    cache = PagedKVCache(alone + spare, 4, block_size, 1, 1, groups=groups, fill=float("nan"),
-                         enable_prefix_caching=True)
-    sched = Scheduler(cache, max_model_len=64, max_num_batched_tokens=budget)
-    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+    sched = caching_scheduler(requests, groups, block_size, budget, spare, fill=float("nan"))
+    cache = sched.cache
     hits = 0
-    for step in range(10_000):
-        while pending and pending[0].arrival <= step:
-            sched.add(pending.pop(0))
-        if not (pending or sched.has_unfinished):
-            break
+    for _ in arrival_steps(sched, requests):
         plan = sched.schedule()
         hits += sum(plan.hits.values())
-        write(sched, plan)
+        write_step_kv(sched, plan, "token")
         check_invariants(cache)
         for r in sched.running:
             read_back(cache, r, groups)
@@ -358,19 +348,16 @@ def test_scheduler_with_prefix_caching_across_groups(requests, block_size, windo
     event(f"hit tokens: {min(hits, 1)}")
 
 
-def write(sched: Scheduler, plan) -> None:
-    """What a forward pass writes into every group's new slots: K = the token's position, V = its id."""
-    cache, batch = sched.cache, plan.batch
-    positions, ids = [], []
-    for request, n in plan.work:
-        positions += range(request.num_computed_tokens, request.num_computed_tokens + n)
-        ids += request.next_token_ids(n)
-    group_slots = batch.group_slots if batch.group_slots is not None else [batch.slots]
-    for group, slots in zip(cache.groups, group_slots):
-        shape = (len(group.layers), len(positions), 1, 1)
-        k = torch.tensor(positions, dtype=cache.dtype).view(1, -1, 1, 1).expand(shape).contiguous()
-        v = torch.tensor(ids, dtype=cache.dtype).view(1, -1, 1, 1).expand(shape).contiguous()
-        cache.pool.write([slot for row in slots for slot in row], k, v)
+def caching_scheduler(requests: list[Request], groups: Sequence[KVGroup], block_size: int,
+                      budget: int | None, spare: int, **cache_options) -> Scheduler:
+    """A scheduler with prefix caching over a pool of ``groups`` that holds the largest of ``requests``
+    alone, plus ``spare`` blocks (4 layers, 1 head, head_dim 1, ``max_model_len`` 64)."""
+    probe = Scheduler(PagedKVCache(1, 4, block_size, 1, 1, groups=groups), max_model_len=64,
+                      max_num_batched_tokens=budget)
+    alone = max(probe.blocks_alone(r) for r in requests)
+    cache = PagedKVCache(alone + spare, 4, block_size, 1, 1, groups=groups, enable_prefix_caching=True,
+                         **cache_options)
+    return Scheduler(cache, max_model_len=64, max_num_batched_tokens=budget)
 
 
 def read_back(cache: PagedKVCache, request: Request, groups: Sequence[KVGroup]) -> None:
@@ -391,19 +378,11 @@ def test_a_failed_step_is_undone_whole(requests, block_size, window, budget, spa
     blocks given back before the count, all of it; the cache is as before ``schedule`` (bookkeeping, every
     group's shelf, the sequences' keys; a cached block evicted for the step comes back plain, as
     ``BlockManager.undo`` says) and the step runs when planned again."""
-    groups = kv_groups([SLIDING, FULL, SLIDING, FULL], window, 4)
-    probe = Scheduler(PagedKVCache(1, 4, block_size, 1, 1, groups=groups), max_model_len=64,
-                      max_num_batched_tokens=budget)
-    alone = max(probe.blocks_alone(r) for r in requests)
-    cache = PagedKVCache(alone + spare, 4, block_size, 1, 1, groups=groups, enable_prefix_caching=True)
-    sched = Scheduler(cache, max_model_len=64, max_num_batched_tokens=budget)
-    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+    sched = caching_scheduler(requests, kv_groups([SLIDING, FULL, SLIDING, FULL], window, 4), block_size,
+                              budget, spare)
+    cache = sched.cache
     undone = 0
-    for step in range(10_000):
-        while pending and pending[0].arrival <= step:
-            sched.add(pending.pop(0))
-        if not (pending or sched.has_unfinished):
-            break
+    for step in arrival_steps(sched, requests):
         if step in fail_at and not any(r.status.name == "PREEMPTED" for r in sched.requests.values()):
             snap, evicted = snapshot(cache), cache.prefix_cache.evicted_blocks
             plan = sched.schedule()
@@ -414,7 +393,7 @@ def test_a_failed_step_is_undone_whole(requests, block_size, window, budget, spa
                 unchanged_but_lru(cache, snap)
                 undone += 1
         plan = sched.schedule()
-        write(sched, plan)
+        write_step_kv(sched, plan, "token")
         sched.update(plan, [7 for _ in plan.work])
         check_invariants(cache)
     assert not cache.seq_lens and cache.num_free_blocks == cache.num_blocks

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from helpers import arrival_steps, write_step_kv
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -36,33 +36,13 @@ def hybrid(window: int) -> tuple[KVGroup, ...]:
 TWO_FULL = (KVGroup(FULL, None, (0, 2)), KVGroup(FULL, None, (1, 3)))  # the same pool, nothing given back
 
 
-def write_kv(sched: Scheduler, plan) -> None:
-    """What a forward pass writes: into each group's slots, for its layers, K = the token's position and V =
-    the request id (1 head, head_dim 1)."""
-    cache, batch = sched.cache, plan.batch
-    positions, owners = [], []
-    for request, n in plan.work:
-        positions += range(request.num_computed_tokens, request.num_computed_tokens + n)
-        owners += [request.req_id] * n
-    group_slots = batch.group_slots if batch.group_slots is not None else [batch.slots]
-    for group, slots in zip(cache.groups, group_slots):
-        shape = (len(group.layers), len(positions), 1, 1)
-        k = torch.tensor(positions, dtype=cache.dtype).view(1, -1, 1, 1).expand(shape).contiguous()
-        v = torch.tensor(owners, dtype=cache.dtype).view(1, -1, 1, 1).expand(shape).contiguous()
-        cache.pool.write([slot for row in slots for slot in row], k, v)
-
-
 def run(sched: Scheduler, requests: list[Request], check=None) -> dict:
-    """Serve ``requests`` (arriving at their steps) to the end; what happened."""
-    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+    """Serve ``requests`` (arriving at their steps) to the end, a forward pass writing K = position and V =
+    request id; what happened."""
     most_running, preemptions, steps = 0, 0, 0
-    for step in range(10_000):
-        while pending and pending[0].arrival <= step:
-            sched.add(pending.pop(0))
-        if not (pending or sched.has_unfinished):
-            break
+    for _ in arrival_steps(sched, requests):
         plan = sched.schedule()
-        write_kv(sched, plan)
+        write_step_kv(sched, plan, "request")
         if check is not None:
             check(sched, plan)
         most_running = max(most_running, len(sched.running))

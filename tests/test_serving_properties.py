@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from helpers import arrival_steps
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -86,13 +87,8 @@ def test_scheduler_invariants_step_by_step(requests, cfg):
                           sliding_window=cfg["sliding_window"], max_model_len=MAX_MODEL_LEN,
                           enable_prefix_caching=cfg["caching"])
     cache = sched.cache
-    pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
     generated, final = {}, {}
-    for step in range(10_000):
-        while pending and pending[0].arrival <= step:
-            sched.add(pending.pop(0))
-        if not (pending or sched.has_unfinished):
-            break
+    for _ in arrival_steps(sched, requests):
         plan = sched.schedule()
         write_fake_kv(sched, plan)
         check_step(sched, plan, cfg)

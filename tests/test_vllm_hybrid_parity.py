@@ -48,45 +48,38 @@ def hybrid():
     return load_tiny_hybrid()[0], HYBRID_DIR
 
 
-def hybrid_workload(seed: int, model, folder) -> tuple[list[Arrival], Engine]:
-    """Three to six requests of up to 200 tokens arriving over the first steps, some behind a shared
-    prefix, a budget of 48 to 128 tokens, and a pool of 10 to 16 blocks: tight enough to preempt. Each
-    request is cut to vLLM's ``max_model_len`` for that pool (both groups' blocks counted)."""
-    rng = random.Random(seed)
-    engine = Engine(model, rng.randrange(10, 17), BLOCK, enable_prefix_caching=False, max_num_seqs=8,
-                    max_num_batched_tokens=rng.choice([48, 64, 96, 128]))
-    limit = max_model_len(config_of(engine, folder))
-    shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(40, 120))]
-    workload = []
-    for i in range(rng.randrange(3, 7)):
-        own = [rng.randrange(VOCAB) for _ in range(rng.randrange(30, 130))]
-        prompt = shared + own if rng.random() < 0.5 else own
-        new = rng.randrange(8, 40)
-        workload.append(Arrival(f"r{i}", prompt[:limit - new], new, step=rng.randrange(0, 6)))
-    return workload, engine
+# what a seed draws from: (pool blocks, requests, shared text's tokens, a request's own tokens, new tokens,
+# arrival steps) as ranges, and how often a request starts with the text
+PLAIN = dict(caching=False, pool=(10, 17), requests=(3, 7), shared=(40, 120), own=(30, 130), new=(8, 40),
+             steps=(0, 6), share=0.5)
+CACHED = dict(caching=True, pool=(8, 13), requests=(4, 10), shared=(40, 160), own=(1, 130), new=(2, 40),
+              steps=(0, 12), share=0.7)
 
 
-def cached_workload(seed: int, model, folder) -> tuple[list[Arrival], Engine]:
-    """Four to nine requests, most starting with part of one text, over the first 12 steps; a pool of 8 to
-    12 blocks (prefix caching on)."""
+def hybrid_workload(seed: int, model, folder, draw=PLAIN) -> tuple[list[Arrival], Engine]:
+    """Requests of up to a few hundred tokens arriving over the first steps, some starting with a shared
+    text (all of it, or with prefix caching (``CACHED``) at least its first half), a budget of 48 to 128
+    tokens, and a pool tight enough to preempt (and with prefix caching, to evict). Each request is cut to
+    vLLM's ``max_model_len`` for that pool (both groups' blocks counted)."""
     rng = random.Random(seed)
-    engine = Engine(model, rng.randrange(8, 13), BLOCK, enable_prefix_caching=True, max_num_seqs=8,
-                    max_num_batched_tokens=rng.choice([48, 64, 96, 128]))
+    engine = Engine(model, rng.randrange(*draw["pool"]), BLOCK, enable_prefix_caching=draw["caching"],
+                    max_num_seqs=8, max_num_batched_tokens=rng.choice([48, 64, 96, 128]))
     limit = max_model_len(config_of(engine, folder))
-    shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(40, 160))]
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(*draw["shared"]))]
     workload = []
-    for i in range(rng.randrange(4, 10)):
-        own = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 130))]
-        if rng.random() < 0.7:
-            own = shared[:rng.randrange(len(shared) // 2, len(shared) + 1)] + own
-        new = rng.randrange(2, 40)
-        workload.append(Arrival(f"r{i}", own[:limit - new], new, step=rng.randrange(0, 12)))
+    for i in range(rng.randrange(*draw["requests"])):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(*draw["own"]))]
+        if rng.random() < draw["share"]:
+            text = shared[:rng.randrange(len(shared) // 2, len(shared) + 1)] if draw["caching"] else shared
+            prompt = text + prompt
+        new = rng.randrange(*draw["new"])
+        workload.append(Arrival(f"r{i}", prompt[:limit - new], new, step=rng.randrange(*draw["steps"])))
     return workload, engine
 
 
 def compare(seed: int, hybrid, vllm, caching: bool = False) -> list:
     """Run one seed's workload through both engines: the same tokens; their step records."""
-    workload, engine = (cached_workload if caching else hybrid_workload)(seed, *hybrid)
+    workload, engine = hybrid_workload(seed, *hybrid, CACHED if caching else PLAIN)
     ours, our_tokens = run_engine(engine, workload)
     theirs, their_tokens = vllm.run(config_of(engine, hybrid[1]), workload)
     assert our_tokens == their_tokens
@@ -124,7 +117,7 @@ def test_the_cached_seeds_hit_preempt_and_evict(hybrid):
     """The prefix-caching seeds reach hits past the window, preemptions and evictions of cached blocks."""
     hits = preempted = evicted = 0
     for seed in range(8):
-        workload, engine = cached_workload(seed, *hybrid)
+        workload, engine = hybrid_workload(seed, *hybrid, CACHED)
         ours, _ = run_engine(engine, workload)
         hits += sum(n > 48 for record in ours for n in record.hits.values())
         preempted += sum(len(record.preempted) for record in ours)
