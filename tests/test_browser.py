@@ -209,6 +209,8 @@ def test_append_token_moves_a_block_from_the_free_stack_into_the_table(lab):
 
             # fork seq 1 (5 tokens: block 1 holds 1 of 4) into seq 2: both blocks shared, nothing copied
             widget.locator(".pt-seq-picker select").select_option(label="seq 1")
+            # the kernel has the selection before the fork (else it forks the sequence selected before)
+            expect(view.locator("[data-seq='1']")).to_have_class("pt-table is-selected")
             widget.locator(".widget-button.pt-fork").click()
             block1 = view.locator("[data-block='1']")
             expect(view.locator("[data-seq='2']")).to_have_attribute("data-len", "5")
