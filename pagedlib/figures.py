@@ -22,25 +22,44 @@ def num_tokens(cache: Any) -> int:
     return sum(cache.seq_lens.values())
 
 
+def slots_of(cache: Any, seq_id: Hashable) -> tuple[int, int]:
+    """(slots holding a token's K/V, slots of the blocks it holds) of one sequence, every KV-cache group's
+    table counted: a window group's entries given back (``NULL_BLOCK``, -1) hold neither, and each stands
+    for a whole block of positions before the window."""
+    filled = allocated = 0
+    for tables in cache.group_tables:
+        table = tables[seq_id]
+        given_back = sum(block < 0 for block in table)
+        filled += cache.seq_lens[seq_id] - given_back * cache.block_size
+        allocated += (len(table) - given_back) * cache.block_size
+    return filled, allocated
+
+
+def num_filled_slots(cache: Any) -> int:
+    """Slots holding a token's K/V, every group's tables counted (a shared block once per table): with one
+    KV-cache group, the tokens held."""
+    return sum(slots_of(cache, seq_id)[0] for seq_id in cache.seq_lens)
+
+
 def num_allocated_slots(cache: Any) -> int:
-    """Slots of every block a table names (a shared block once per table)."""
-    return sum(len(table) for table in cache.tables.values()) * cache.block_size
+    """Slots of every block a table names, every group's tables counted (a shared block once per table)."""
+    return sum(slots_of(cache, seq_id)[1] for seq_id in cache.seq_lens)
 
 
 def utilization(cache: Any) -> float:
-    """Tokens per allocated slot (1.0 with none); ``1 - utilization``: internal fragmentation."""
+    """Filled slots per allocated slot (1.0 with none); ``1 - utilization``: internal fragmentation."""
     allocated = num_allocated_slots(cache)
     if allocated == 0:
         return 1.0
-    return num_tokens(cache) / allocated
+    return num_filled_slots(cache) / allocated
 
 
 def sequence_utilization(cache: Any, seq_id: Hashable) -> float:
-    """Tokens per slot of one sequence's blocks (1.0 for an empty sequence)."""
-    allocated = len(cache.tables[seq_id]) * cache.block_size
+    """Filled slots per slot of one sequence's blocks, every group's (1.0 for an empty sequence)."""
+    filled, allocated = slots_of(cache, seq_id)
     if allocated == 0:
         return 1.0
-    return cache.seq_lens[seq_id] / allocated
+    return filled / allocated
 
 
 def prefix_cache_stats(prefix_cache: Any) -> dict[str, float]:
@@ -63,7 +82,8 @@ def prefix_cache_stats(prefix_cache: Any) -> dict[str, float]:
 
 
 def describe(cache: Any) -> str:
-    """Sizes; blocks used, free (cached among them), shared and copied; tokens; the first 8 tables."""
+    """Sizes; blocks used, free (cached among them), shared and copied; tokens; the first 8 sequences' tables
+    (with KV-cache groups, a table per group, ``|`` between them)."""
     dtype = str(cache.dtype).replace("torch.", "")
     blocks = f"  blocks: {cache.num_used_blocks} used, {cache.num_free_blocks} free"
     if cache.prefix_cache is not None:
@@ -81,8 +101,13 @@ def describe(cache: Any) -> str:
              blocks,
              f"  tokens: {num_tokens(cache)} in {num_allocated_slots(cache)} allocated slots "
              f"(utilization {utilization(cache):.0%})"]
-    for seq_id, table in list(cache.tables.items())[:8]:
-        lines.append(f"  seq {seq_id!r}: len {cache.seq_lens[seq_id]}, table {table}")
+    if num_filled_slots(cache) != num_tokens(cache):  # KV-cache groups (notebook 15): a token fills a slot
+        lines[-1] = (f"  tokens: {num_tokens(cache)}, filling {num_filled_slots(cache)} of "  # in each group
+                     f"{num_allocated_slots(cache)} allocated slots across the KV-cache groups "
+                     f"(utilization {utilization(cache):.0%})")
+    for seq_id in list(cache.tables)[:8]:
+        tables = " | ".join(str(tables[seq_id]) for tables in cache.group_tables)  # one per group
+        lines.append(f"  seq {seq_id!r}: len {cache.seq_lens[seq_id]}, table {tables}")
     if len(cache.tables) > 8:
         lines.append(f"  ... and {len(cache.tables) - 8} more sequences")
     return "\n".join(lines)

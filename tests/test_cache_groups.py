@@ -266,6 +266,25 @@ class GroupsMachine(RuleBasedStateMachine):
         assert c.num_used_blocks == len(held)
 
     @invariant()
+    def figures(self) -> None:
+        """The cache's figures count every group's table and no block a window gave back: each sequence
+        fills, in each group, its positions past those given back, in its blocks past those."""
+        c, bs = self.cache, self.cache.block_size
+        filled = allocated = 0
+        for s, tags in self.tags.items():
+            mine = [0, 0]
+            for g in range(len(self.groups)):
+                gone = self.gone(g, self.computed[s], len(tags))
+                mine[0] += len(tags) - gone * bs
+                mine[1] += (ceil_div(len(tags), bs) - gone) * bs
+            assert c.sequence_utilization(s) == (mine[0] / mine[1] if mine[1] else 1.0)
+            filled, allocated = filled + mine[0], allocated + mine[1]
+        assert (c.num_tokens, c.num_filled_slots, c.num_allocated_slots) == \
+            (sum(map(len, self.tags.values())), filled, allocated)
+        assert c.utilization == (filled / allocated if allocated else 1.0)
+        assert f"filling {filled} of {allocated} allocated slots" in repr(c) or filled == c.num_tokens
+
+    @invariant()
     def contents(self) -> None:
         """Each sequence reads back its own K/V in every layer, NaN where its layer's group gave the block
         back (no block given back, reused or copied ever touched a block still held)."""
@@ -312,6 +331,11 @@ def test_vllm_numbers_a_300_token_prompt_then_one_decode_step():
     assert window[:14] == [NULL_BLOCK] * 14 and NULL_BLOCK not in window[14:] and len(window) == 19
     assert c.num_free_blocks == 64 - 19 - 5
     check_invariants(c)
+    # the figures count both tables and no given-back entry: 301 + (301 - 14 * 16) of (19 + 5) * 16 slots
+    assert (c.num_tokens, c.num_filled_slots, c.num_allocated_slots) == (301, 378, 384)
+    assert "tokens: 301, filling 378 of 384 allocated slots across the KV-cache groups (utilization 98%)" \
+        in repr(c)
+    assert f"seq 'r': len 301, table {full} | {window}" in repr(c)
 
 
 def test_blocks_leave_when_the_next_step_begins_not_when_the_last_one_ends():

@@ -132,7 +132,8 @@ class PagedKVCache:
     num_used_blocks = property(figures.num_used_blocks)  # blocks some table holds
     num_tokens = property(figures.num_tokens)  # tokens held by every sequence
     num_allocated_slots = property(figures.num_allocated_slots)  # slots of every block a table names
-    utilization = property(figures.utilization)  # tokens per allocated slot (1.0 with none)
+    num_filled_slots = property(figures.num_filled_slots)  # slots holding a token's K/V, every group's
+    utilization = property(figures.utilization)  # filled slots per allocated slot (1.0 with none)
     __repr__ = figures.describe  # sizes, blocks, tokens, the first eight tables
 
     def add_sequence(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | None = None) -> int:
@@ -306,6 +307,7 @@ class PagedKVCache:
         return figures.prefix_cache_stats(self.prefix_cache)
 
     def sequence_utilization(self, seq_id: Hashable) -> float:
-        """Tokens per slot of one sequence's blocks in group 0 (1.0 for an empty sequence)."""
+        """Filled slots per slot of one sequence's blocks, every KV-cache group's (1.0 for an empty
+        sequence)."""
         checks.seq(self, seq_id)
         return figures.sequence_utilization(self, seq_id)

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from pagedlib import testing
+from pagedlib import figures, testing
 from pagedlib.sim.simulate import CATEGORIES
 from pagedlib.teach.colors import CACHED_COLOR, FREE_COLOR, OWNER_COLORS, owner_color
 from pagedlib.teach.sizing import block_table_entries, paged_utilization
@@ -165,8 +165,9 @@ def _draw_held_block(ax: plt.Axes, x: float, y: float, colors: list[str], fill: 
 def _pool_legend(cache, holders: list[list], fill: list[int], label: dict[int, str]) -> list:
     """Legend entries for ``plot_block_pool``: only the colours and marks the picture shows."""
     order, free, cached = list(cache.tables), len(cache.free), len(label) - len(cache.free)
+    held = {s: figures.slots_of(cache, s)[1] // cache.block_size for s in order}  # every group's blocks
     handles = [Patch(color=owner_color(s, order), label=f"seq {s}: {cache.seq_lens[s]} tokens, "
-                     f"{len(cache.tables[s])} blocks") for s in order if cache.tables[s]]
+                     f"{held[s]} blocks") for s in order if held[s]]
     grey = {"edgecolor": "#BBBBBB"}
     marks = [(any(len(h) > 1 for h in holders), "shared: a band per holder, x = reference count",
               {"facecolor": "white", "edgecolor": "black", "lw": 1.6}),
