@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pagedlib.core.cache import OutOfBlocksError, PagedKVCache
 from pagedlib.core.groups import FULL, NULL_BLOCK, SLIDING, KVGroup, kv_groups
 from pagedlib.core.kv_pool import KVPool
+from pagedlib.kernels.attention import reference_paged_attention
 from pagedlib.testing import InvariantError, check_invariants, fill_unused, state_diff
 from pagedlib.util import ceil_div
 
@@ -336,6 +337,28 @@ def test_vllm_numbers_a_300_token_prompt_then_one_decode_step():
     assert "tokens: 301, filling 378 of 384 allocated slots across the KV-cache groups (utilization 98%)" \
         in repr(c)
     assert f"seq 'r': len 301, table {full} | {window}" in repr(c)
+
+
+def test_a_given_back_position_has_no_slot_and_the_reference_refuses_groups():
+    """``slot`` names the group it reads and refuses a position its window gave back (block -1 would index
+    the pool's last block); notebook 04's reference reads one full-attention group and says so, the cache
+    unchanged by both."""
+    c = PagedKVCache(16, L, 4, H, D, groups=HYBRID)
+    c.add_sequence("a")
+    k = kv_of(1, 0, 15)
+    c.append_tokens("a", k[0, :, :14], k[1, :, :14])
+    c.append_tokens("a", k[0, :, 14:], k[1, :, 14:])  # the window group gives positions 0-7 back (14 - 6 + 1)
+    window, full = c.group_tables[0]["a"], c.group_tables[1]["a"]
+    assert window[:2] == [NULL_BLOCK] * 2 and c.slot("a", 8) == (window[2], 0)
+    assert c.slot("a", 0, group=1) == (full[0], 0)
+    snap = snapshot(c)
+    with pytest.raises(IndexError, match=r"pos 7 of sequence 'a' is before the window of group 0 .*NULL"):
+        c.slot("a", 7)
+    with pytest.raises(IndexError, match=r"group must be in \[0, 2\), got 2"):
+        c.slot("a", 3, group=2)
+    with pytest.raises(ValueError, match="reads a cache of one full-attention group, not sliding window 6"):
+        reference_paged_attention(c, "a", torch.zeros(2, 1, H, D))
+    assert_unchanged(c, snap)
 
 
 def test_blocks_leave_when_the_next_step_begins_not_when_the_last_one_ends():

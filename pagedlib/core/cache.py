@@ -233,10 +233,16 @@ class PagedKVCache:
         checks.seq(self, seq_id)
         return self.manager.free_sequence(seq_id)
 
-    def slot(self, seq_id: Hashable, pos: int) -> Slot:
-        """``Slot(block, offset)`` of token ``pos`` (``0 <= pos < seq_len``) in group 0."""
+    def slot(self, seq_id: Hashable, pos: int, group: int = 0) -> Slot:
+        """``Slot(block, offset)`` of token ``pos`` (``0 <= pos < seq_len``) in ``group``; ``IndexError`` for
+        a position whose block the group's window gave back (no block holds it any more)."""
         pos = checks.position(self, seq_id, pos)
-        return Slot(self.tables[seq_id][pos // self.block_size], pos % self.block_size)
+        group = checks.index("group", group, 0, len(self.groups))
+        block = self.group_tables[group][seq_id][pos // self.block_size]
+        if block == NULL_BLOCK:
+            raise IndexError(f"pos {pos} of sequence {seq_id!r} is before the window of group {group} "
+                             f"({self.groups[group]}): its block was given back (NULL_BLOCK)")
+        return Slot(block, pos % self.block_size)
 
     def block_table(self, seq_ids: Iterable[Hashable], width: int | None = None, group: int = 0
                     ) -> torch.Tensor:
