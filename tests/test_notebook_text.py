@@ -116,6 +116,8 @@ OTHER_PROJECTS = {
                   "hash_blocks"},
     "SGLang": {"RadixKey.extra_key", "get_child_key", "cache_finished_req", "inc_lock_ref", "dec_lock_ref",
                "lock_ref", "_key_match_page_size1", "HiRadixCache", "hicache_write_policy", "write_through"},
+    # Gemma 3's config key (transformers' models/gemma3/configuration_gemma3.py)
+    "transformers": {"sliding_window_pattern"},
 }
 #: vLLM names that 0.32.0 no longer defines; a sentence may name one only in the past tense.
 HISTORICAL = {"BlockSpaceManager", "BlockSpaceManagerV1", "PhysicalTokenBlock", "append_slot", "append_slots",

@@ -104,7 +104,8 @@ HYBRID_PRESETS: dict[str, HybridSpec] = {s.name: s for s in (
     # github.com/abhibambhaniya/GenZ-LLM-Analyzer, GenZ/Models/Model_sets/mistral.py: 36 layers, 32 heads of
     # hidden 4096 (head_dim 4096 / 32 = 128), 8 KV heads, sliding_window 32768. The pattern, "1 full attention
     # layer followed by 3 sliding window attention layers", and the 128K context: transformers'
-    # docs/source/en/model_doc/ministral.md. The order within the pattern changes no byte count here.
+    # docs/source/en/model_doc/ministral.md, and the model card ("Context Length 128k", "Attention Pattern
+    # Ragged (128k,32k,32k,32k)"). The order within the pattern changes no byte count here.
     HybridSpec("ministral-8b", repeat_pattern((F, S, S, S), 36), sliding_window=32768, num_kv_heads=8,
                head_dim=128, max_model_len=131072),
 )}
