@@ -167,6 +167,29 @@ def test_a_silent_offload_child_is_a_runtime_error_and_a_slow_one_times_out(monk
     assert children_running(b"childish") == []
 
 
+def test_the_hybrid_manager_child_that_dies_is_silent_or_slow_is_an_error_and_leaves_no_process(
+        monkeypatch, as_caller):
+    """Notebook 15's oracle (vLLM's KVCacheManager over KV-cache groups) starts through the same helper."""
+    from pagedlib.core.groups import FULL, SLIDING, KVGroup
+    from pagedlib.vllm import bridge, hybrid
+
+    monkeypatch.setattr(bridge, "vllm_available", lambda: (True, ""))
+    monkeypatch.setattr(hybrid, "CHILD_MODULE", "childish")
+    run = dict(groups=(KVGroup(FULL, None, (1,)), KVGroup(SLIDING, 4, (0,))),
+               ops=[hybrid.Add("a", [1, 2, 3])], block_size=2, num_blocks=8)
+    as_caller("exit3")
+    with pytest.raises(RuntimeError, match="python -m childish exited with 3") as error:
+        hybrid.vllm_hybrid_run(**run)
+    assert "dying on purpose" in str(error.value)
+    as_caller("silent")
+    with pytest.raises(RuntimeError, match="python -m childish exited with 0 without answering"):
+        hybrid.vllm_hybrid_run(**run)
+    as_caller("sleep")
+    with pytest.raises(TimeoutError, match="within 0.5 s"):
+        hybrid.vllm_hybrid_runs([run], timeout=0.5)
+    assert children_running(b"childish") == []
+
+
 def test_a_vllm_attention_process_that_dies_is_reported_with_its_last_words(monkeypatch, as_caller):
     from pagedlib.bench import attention
 
