@@ -246,11 +246,20 @@ def check_instance(name: str, value: object, cls: type, hint: str) -> None:
         raise ValueError(f"{name} must be a {cls.__name__} ({hint}), got {type(value).__name__}")
 
 
-def check_engine_model(model: Any, config: Any) -> None:
+def check_engine_model(model: Any, config: Any, connector: object = None) -> None:
     """What an ``Engine`` asks of its model: a dtype the engine runs, a ``head_dim`` (and a device) its
-    attention takes."""
+    attention takes; no host tier or connector over a cache of KV-cache groups (they serve one
+    full-attention group)."""
     check_model_dtype(model.dtype)
     check_attention(config.attention, config.block_size, model.shape.head_dim, model.device)
+    groups = model.shape.kv_groups
+    if config.hybrid_kv_cache and (len(groups) > 1 or groups[0].window is not None):
+        for argument, given in (("host_blocks", config.host_blocks), ("connector", connector is not None)):
+            if given:
+                raise ValueError(f"{argument}= with a model whose layers form KV-cache groups "
+                                 f"({'; '.join(map(str, groups))}): a host tier or connector serves one "
+                                 f"full-attention group only; hybrid_kv_cache=False keeps one table for "
+                                 f"every layer")
 
 
 def check_known_request(requests: dict, req_id: object) -> Any:

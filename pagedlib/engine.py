@@ -54,7 +54,7 @@ class Engine:
                  connector: KVConnector | None = None, **settings: Any) -> None:
         checks.check_instance("model", model, PagedLlama, "Engine.from_hf takes a transformers model")
         self.config = EngineConfig(num_blocks, block_size, attention, enable_prefix_caching, **settings)
-        checks.check_engine_model(model, self.config)
+        checks.check_engine_model(model, self.config, connector)
         if connector is not None:
             checks.check_instance("connector", connector, KVConnector, "a StoreConnector or HostConnector")
             if self.config.host_blocks:

@@ -173,3 +173,26 @@ def test_hybrid_sibling_generates_what_transformers_generates(attention, hybrid_
             assert tokens == hf_greedy(hf, prompt, 60)[0]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_host_tier_or_connector_over_the_hybrid_siblings_groups_is_refused_by_name(tmp_path):
+    """The host tier and the connectors serve one full-attention group: over the sibling's two groups the
+    engine refuses the argument the caller passed, before it builds anything, and names the way out; with
+    one table for every layer (``hybrid_kv_cache=False``) the host tier runs, with transformers' tokens."""
+    from pagedlib.kv_transfer.connectors import StoreConnector
+    from pagedlib.kv_transfer.store import KVStore
+
+    model, tok = load_tiny_hybrid()
+    groups = "sliding window 48: layers 0, 2; full attention: layers 1, 3"
+    with pytest.raises(ValueError, match=rf"host_blocks= with a model whose layers form KV-cache groups "
+                                         rf"\({groups}\).*hybrid_kv_cache=False"):
+        Engine(model, 64, 16, host_blocks=8, preemption="swap")
+    shape = model.shape
+    store = KVStore(tmp_path / "store", model="tiny-hybrid", block_size=16, num_layers=shape.num_layers,
+                    kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
+    with pytest.raises(ValueError, match=r"connector= with a model whose layers form KV-cache groups"):
+        Engine(model, 64, 16, connector=StoreConnector(store, "producer"))
+    hf, _ = load_tiny_hybrid_hf()
+    prompt = tok.encode(HYBRID_PROMPTS[0])
+    engine = Engine(model, 64, 16, hybrid_kv_cache=False, host_blocks=8)
+    assert engine.generate([prompt], 20) == [hf_greedy(hf, prompt, 20)[0]]
