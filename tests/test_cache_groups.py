@@ -453,6 +453,23 @@ def test_bad_groups_name_the_argument(groups, message):
         PagedKVCache(4, L, 2, H, D, groups=groups)
 
 
+@pytest.mark.parametrize("args, message", [
+    (([SLIDING, "linear_attention"], 4, 2), r"layer_types holds \['linear_attention'\]: the kinds"),
+    (([SLIDING, FULL], None, 2), "sliding_window must be an int, got None"),
+    (([SLIDING, FULL], 0, 2), "sliding_window must be >= 1, got 0"),
+    (([FULL, FULL], None, 3), "layer_types must name num_layers=3 kinds, got 2"),
+    ((FULL, None, 1), "layer_types must be None or a sequence of kinds, got str"),
+    (([[1]], None, 1), r"layer_types holds \[\[1\]\]"),
+    ((None, None, 0), "num_layers must be >= 1, got 0"),
+    ((None, None, 2.0), "num_layers must be an int"),
+])
+def test_kv_groups_names_a_bad_argument(args, message):
+    """``kv_groups`` is public (notebook 15 calls it on released models' layer kinds): a bad argument is a
+    ValueError that names it, not a group of an unknown kind, a window of None or an empty max()."""
+    with pytest.raises(ValueError, match=message):
+        kv_groups(*args)
+
+
 def test_invariant_7_catches_a_window_table_out_of_step():
     """``check_invariants`` names invariant 7 when a window group holds a block its window no longer reads,
     or has given back one it still reads; and invariant 1 when a block sits in two groups."""

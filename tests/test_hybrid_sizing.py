@@ -329,6 +329,8 @@ def test_sequence_kv_bytes_rejects():
         sequence_kv_bytes(spec, 100, 16, dtype_bytes=0)
     with pytest.raises(ValueError, match="block_size"):
         sequence_kv_bytes(spec, 100, 0)
+    with pytest.raises(ValueError, match="spec must be a HybridSpec .* got str"):
+        sequence_kv_bytes("gemma-2-9b", 100, 16)
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedlib.util import ceil_div
+from pagedlib.util import as_int, ceil_div, refuse
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -40,9 +40,19 @@ def kv_groups(layer_types: Sequence[str] | None, sliding_window: int | None,
     vLLM's rule: layers of one kind in order of first appearance; each kind cut into groups of one size, the
     fewest layers of a kind (or the most, when no kind has 1.5 times the fewest), layer ``i`` of a kind going
     to group ``i % n`` of its ``n``; a group short of the size pads (its missing layers take pool room and
-    hold nothing)."""
+    hold nothing). ``ValueError`` naming the argument for a count that is no int >= 1, ``layer_types`` not
+    ``num_layers`` of ``LAYER_KINDS``, or a sliding layer without a window of >= 1 token."""
+    num_layers = as_int("num_layers", num_layers, minimum=1)
     if layer_types is None:
         return (KVGroup(FULL, None, tuple(range(num_layers))),)
+    if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, Sequence):
+        raise ValueError(f"layer_types must be None or a sequence of kinds, got {type(layer_types).__name__}")
+    refuse((len(layer_types) != num_layers,
+            f"layer_types must name num_layers={num_layers} kinds, got {len(layer_types)}"))
+    unknown = [kind for kind in layer_types if kind not in LAYER_KINDS]
+    refuse((unknown, f"layer_types holds {unknown[:3]!r}: the kinds this course runs are {LAYER_KINDS}"))
+    if SLIDING in layer_types:
+        sliding_window = as_int("sliding_window", sliding_window, minimum=1)
     kinds: dict[str, list[int]] = {}
     for layer, kind in enumerate(layer_types):
         kinds.setdefault(kind, []).append(layer)

@@ -156,6 +156,8 @@ def sequence_kv_bytes(spec: HybridSpec, seq_len: int, block_size: int, *, num_ne
                       dtype_bytes: int = 2) -> SequenceKV:
     """The KV bytes one sequence of ``seq_len`` tokens holds while the step that writes its last
     ``num_new_tokens`` runs, uniform, per layer and in vLLM's groups (``SequenceKV``)."""
+    if not isinstance(spec, HybridSpec):
+        raise ValueError(f"spec must be a HybridSpec (HYBRID_PRESETS holds some), got {type(spec).__name__}")
     seq_len = as_int("seq_len", seq_len, minimum=1, maximum=spec.max_model_len)
     block_bytes = spec.layer_bytes_per_token(dtype_bytes) * as_int("block_size", block_size, minimum=1)
 
