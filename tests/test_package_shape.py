@@ -207,3 +207,17 @@ def test_core_imports_no_file_store_no_safetensors_no_child_process():
         above = ("pagedlib.kv_transfer", "pagedlib.vllm", "pagedlib.child")
         bad = {n for n in names if n.split(".")[0] in banned or n.startswith(above)}
         assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_the_readme_layout_names_every_module():
+    """The README's layout is the map a reader starts from: every module of the package is named in it
+    (the benchmarks, the data, ``__main__`` entry points and the graded tasks' own folders as folders)."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[layout.index("```") + 3:]
+    layout = layout[:layout.index("```")]
+    as_folders = {("bench",), ("data",), ("grade", "tasks"), ("grade", "skeletons"), ("grade", "reference")}
+    missing = [str(path.relative_to(ROOT)) for path in sorted(PKG.rglob("*.py"))
+               if path.name not in ("__init__.py", "__main__.py") and path.name not in layout
+               and not any(path.relative_to(PKG).parts[:len(folder)] == folder for folder in as_folders)]
+    assert not missing, f"modules the README's layout does not name: {missing}"
