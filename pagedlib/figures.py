@@ -98,13 +98,13 @@ def describe(cache: Any) -> str:
     lines = [f"PagedKVCache(num_blocks={cache.num_blocks}, num_layers={cache.num_layers}, "
              f"block_size={cache.block_size}, kv_heads={cache.kv_heads}, "
              f"head_dim={cache.head_dim}, dtype={dtype}, device={cache.device})",
-             blocks,
-             f"  tokens: {num_tokens(cache)} in {num_allocated_slots(cache)} allocated slots "
-             f"(utilization {utilization(cache):.0%})"]
-    if num_filled_slots(cache) != num_tokens(cache):  # KV-cache groups (notebook 15): a token fills a slot
-        lines[-1] = (f"  tokens: {num_tokens(cache)}, filling {num_filled_slots(cache)} of "  # in each group
-                     f"{num_allocated_slots(cache)} allocated slots across the KV-cache groups "
-                     f"(utilization {utilization(cache):.0%})")
+             blocks]
+    tokens, filled, allocated = num_tokens(cache), num_filled_slots(cache), num_allocated_slots(cache)
+    held = f"  tokens: {tokens} in {allocated} allocated slots"
+    if filled != tokens:  # KV-cache groups (notebook 15): a token fills a slot in each group that holds it
+        held = f"  tokens: {tokens}, filling {filled} of {allocated} allocated slots across the KV-cache " \
+               "groups"
+    lines.append(f"{held} (utilization {utilization(cache):.0%})")
     for seq_id in list(cache.tables)[:8]:
         tables = " | ".join(str(tables[seq_id]) for tables in cache.group_tables)  # one per group
         lines.append(f"  seq {seq_id!r}: len {cache.seq_lens[seq_id]}, table {tables}")

@@ -178,7 +178,7 @@ def _check_tensor(t: object, dim: int, dtype: torch.dtype | None = None, rows: i
 def check_reference(cache, seq_id, q) -> None:
     """A sequence of ``cache`` with tokens, ``q`` ``[num_layers, 1, q_heads, head_dim]`` in its dtype; one
     full-attention group (the pool's second dimension is then every layer, and every table entry a block)."""
-    if len(cache.groups) > 1 or cache.groups[0].window is not None:
+    if cache.manager.by_group:  # several KV-cache groups, or a window group
         raise ValueError(f"the reference reads a cache of one full-attention group, not "
                          f"{'; '.join(map(str, cache.groups))} (notebook 15: paged_attention_varlen takes a "
                          f"window and a group's block table)")
